@@ -1,0 +1,84 @@
+"""The one configuration system: frozen dataclasses, saved as JSON inside recordings and checkpoints.
+
+Command-line flags map onto these fields; nothing else holds settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GameConfig:
+    """What the real game runs: which WAD/scenario and map, at what size and speed."""
+
+    wad: str = "freedoom1.wad"  # a WAD in the vizdoom package root, or a path
+    scenario: str = ""  # a shipped scenario name ("basic", "defend_the_center"…) or a .wad/.cfg path
+    map: str = "E1M1"
+    height: int = 120
+    width: int = 160  # 160x120 is ViZDoom's native small mode; 320x240 etc. for GPU users
+    frame_skip: int = 2  # game tics per model step: 35/2 = 17.5 steps per game-second
+    hud: bool = True
+    skill: int = 3
+    episode_timeout: int = 0  # in tics; 0 = none
+    automap: bool = False  # also render the automap buffer (the agent's second image)
+
+
+@dataclass(frozen=True)
+class AutoencoderConfig:
+    latent_channels: int = 16
+    encoder_channels: int = 64
+    decoder_channels: int = 32  # decode is the per-frame wall on CPU (DESIGN.md §4): keep it slim
+    blocks: tuple[int, ...] = (1, 2, 2, 2)  # residual blocks per level; 3 downsamples = 8x
+
+
+@dataclass(frozen=True)
+class DenoiserConfig:
+    context: int = 64  # N past frames (and N+1 actions); only conv_in sees the frames
+    block_out_channels: tuple[int, ...] = (64, 128, 128)
+    layers_per_block: int = 1
+    attention_head_dim: int = 8
+    cross_attention_dim: int = 256  # width of the action tokens
+    noise_buckets: int = 10  # GameNGen §3.2.1: discretized context-noise level
+    max_noise_level: float = 0.7
+    num_train_timesteps: int = 1000
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    steps: int = 4  # GameNGen §3.3: 4 DDIM steps lose nothing against 20+
+    cfg: float = 1.5  # guidance on the past frames only, not the actions
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Build a dataclass from a dict, ignoring unknown keys and restoring tuples from JSON lists."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in data:
+            v = data[f.name]
+            kwargs[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**kwargs)
+
+
+def dumps(cfg: Any) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+__all__ = [
+    "GameConfig",
+    "AutoencoderConfig",
+    "DenoiserConfig",
+    "SamplerConfig",
+    "to_dict",
+    "from_dict",
+    "dumps",
+]

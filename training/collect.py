@@ -1,0 +1,123 @@
+"""Collect play data from the real game: several headless ViZDoom processes with sticky random play.
+
+    python -m training.collect --steps 100000 --out data/e1m1
+
+Each worker writes its own shard under OUT/train/ and OUT/heldout/ (the split is by episode). Rerunning
+with the same OUT appends new shards until OUT holds --steps frames in total, with fresh seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from neuraldoom.actions import StickyRandomPolicy
+from neuraldoom.config import GameConfig
+from neuraldoom.game import GameError, RealGame
+from neuraldoom.recording import Recording, RecordingError, RecordingWriter, find_recordings
+
+
+def existing_frames(out: Path) -> tuple[int, int]:
+    """(frames already in OUT, next run index)."""
+    try:
+        recs = find_recordings(out)
+    except RecordingError:
+        return 0, 0
+    runs = {p.name.split("-")[1] for p in recs if p.name.startswith("run")}
+    return sum(len(Recording(p)) for p in recs), len(runs)
+
+
+def worker(cfg: GameConfig, out: str, run: int, w: int, steps: int, seed: int, repeat: float,
+           heldout: float, counter: mp.Value) -> None:  # type: ignore[type-arg]
+    rng = np.random.default_rng([seed, run, w])
+    name = f"run-{run:03d}-w{w:02d}"
+    writers = {s: RecordingWriter(Path(out) / s / name, cfg, engine="real",
+                                  extra={"policy": "sticky_random", "repeat": repeat})
+               for s in ("train", "heldout")}
+    done = 0
+    with RealGame(cfg) as game:
+        while done < steps:
+            ep_seed = int(rng.integers(2**31 - 1))
+            writer = writers["heldout" if rng.random() < heldout else "train"]
+            policy = StickyRandomPolicy(rng, repeat)
+            frame = game.reset(ep_seed)
+            writer.new_episode(ep_seed)
+            while not game.done and done < steps:
+                action = policy()
+                vars_ = game.variables.copy()
+                writer.add(frame, action, vars_)
+                frame = game.step(action)
+                done += 1
+                if done % 64 == 0:
+                    with counter.get_lock():
+                        counter.value += 64
+            writer.flush()
+    with counter.get_lock():
+        counter.value += done % 64
+    for wr in writers.values():
+        wr.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, required=True, help="total frames wanted in OUT")
+    p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=3, help="parallel games (3-4 is best on 2 cores)")
+    p.add_argument("--wad", default=GameConfig.wad)
+    p.add_argument("--scenario", default=GameConfig.scenario)
+    p.add_argument("--map", default=GameConfig.map)
+    p.add_argument("--width", type=int, default=GameConfig.width)
+    p.add_argument("--height", type=int, default=GameConfig.height)
+    p.add_argument("--frame-skip", type=int, default=GameConfig.frame_skip)
+    p.add_argument("--episode-tics", type=int, default=2100, help="episode timeout in tics (2100 = 1 min)")
+    p.add_argument("--repeat", type=float, default=0.8, help="probability of repeating the last action")
+    p.add_argument("--heldout", type=float, default=0.1, help="fraction of episodes held out")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    cfg = replace(GameConfig(), wad=a.wad, scenario=a.scenario, map=a.map, width=a.width, height=a.height,
+                  frame_skip=a.frame_skip, episode_timeout=a.episode_tics)
+    out = Path(a.out)
+    try:
+        RealGame(cfg).close()  # fail fast, in this process, on a bad WAD/map/resolution
+        have, run = existing_frames(out)
+    except (GameError, RecordingError) as e:
+        print(f"collect: {e}", file=sys.stderr)
+        return 2
+    todo = a.steps - have
+    if todo <= 0:
+        print(f"collect: {out} already holds {have} frames (>= {a.steps})")
+        return 0
+    counter = mp.Value("q", 0)
+    per = [todo // a.workers + (i < todo % a.workers) for i in range(a.workers)]
+    procs = [mp.Process(target=worker, args=(cfg, str(out), run, w, n, a.seed, a.repeat, a.heldout, counter),
+                        daemon=True) for w, n in enumerate(per) if n > 0]
+    t0 = time.time()
+    for pr in procs:
+        pr.start()
+    with tqdm(total=todo, unit="step", desc=f"collect x{len(procs)}") as bar:
+        while any(pr.is_alive() for pr in procs):
+            time.sleep(0.5)
+            bar.n = counter.value
+            bar.refresh()
+        bar.n = counter.value
+        bar.refresh()
+    failed = [pr.exitcode for pr in procs if pr.exitcode != 0]
+    dt = time.time() - t0
+    print(f"collect: {counter.value} steps in {dt:.1f}s = {counter.value / dt:.0f} steps/s "
+          f"with {len(procs)} games; {have + counter.value} frames in {out}")
+    if failed:
+        print(f"collect: {len(failed)} worker(s) failed (exit codes {failed}); rerun to top up", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
