@@ -31,18 +31,25 @@ class GameConfig:
 
 @dataclass(frozen=True)
 class AutoencoderConfig:
+    """diffusers AutoencoderTiny between pixel (un)shuffles: the encoder reads 4x4-folded pixels and
+    downsamples once more (8x), the decoder upsamples twice and unfolds 2x2 (8x)."""
+
     latent_channels: int = 16
+    encoder_fold: int = 4
+    decoder_fold: int = 2
     encoder_channels: int = 64
     decoder_channels: int = 32  # decode is the per-frame wall on CPU (DESIGN.md §4): keep it slim
-    blocks: tuple[int, ...] = (1, 2, 2, 2)  # residual blocks per level; 3 downsamples = 8x
+    encoder_blocks: tuple[int, ...] = (2, 3)  # residual blocks per level
+    decoder_blocks: tuple[int, ...] = (2, 2, 1)
 
 
 @dataclass(frozen=True)
 class DenoiserConfig:
     context: int = 64  # N past frames (and N+1 actions); only conv_in sees the frames
-    block_out_channels: tuple[int, ...] = (64, 128, 128)
+    block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
-    attention_head_dim: int = 8
+    attention_heads: int = 4
+    only_cross_attention: bool = False  # drop self-attention: the actions arrive by cross-attention
     cross_attention_dim: int = 256  # width of the action tokens
     noise_buckets: int = 10  # GameNGen §3.2.1: discretized context-noise level
     max_noise_level: float = 0.7
@@ -82,3 +89,25 @@ __all__ = [
     "from_dict",
     "dumps",
 ]
+
+
+def parse_args(cls: type[T], argv: list[str] | None, doc: str | None = None) -> T:
+    """Command-line flags for every field of a frozen dataclass (--field-name); bools are switches,
+    tuples take several values; fields without a default are required."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = "--" + f.name.replace("_", "-")
+        typ = str(f.type)
+        required = f.default is dataclasses.MISSING
+        default = None if required else f.default
+        if typ == "bool":
+            p.add_argument(name, action="store_true", default=default)
+        elif typ.startswith("tuple"):
+            inner = float if "float" in typ else int
+            p.add_argument(name, type=inner, nargs="+", default=default, required=required)
+        else:
+            p.add_argument(name, type={"int": int, "float": float}.get(typ, str), default=default, required=required)
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()}
+    return cls(**kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import vizdoom as vzd
 
-from .actions import BUTTONS, Action, ActionError, NUM_BUTTONS
+from .actions import BUTTONS, NUM_BUTTONS, Action, ActionError
 from .config import GameConfig
 
 # Recorded with every step; the agent's reward reads them.
@@ -46,8 +47,9 @@ RESOLUTIONS = {(120, 160): "RES_160X120", (240, 320): "RES_320X240", (480, 640):
 _CHDIR_LOCK = threading.Lock()
 
 _REAPER = """
-import os, sys, time
+import os, shutil, sys, time
 parent, engine = int(sys.argv[1]), int(sys.argv[2])
+tmp = sys.argv[3] if len(sys.argv) > 3 else ""
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -60,6 +62,9 @@ while alive(engine):
             os.kill(engine, 9)
         except OSError:
             pass
+        if tmp:  # the engine's private folder: nobody else will remove it now
+            time.sleep(0.2)
+            shutil.rmtree(tmp, ignore_errors=True)
         break
     time.sleep(0.5)
 """
@@ -92,6 +97,25 @@ def resolve_wad(cfg: GameConfig) -> tuple[str, str]:
     return str(wad), scenario
 
 
+def wad_maps(path: str) -> set[str]:
+    """Map names in a WAD: marker lumps followed by THINGS (or TEXTMAP); empty if it cannot be read.
+
+    Checked before init because ViZDoom given a map the WAD lacks does not fail: new_episode() hangs.
+    """
+    try:
+        with open(path, "rb") as f:
+            ident, n, offset = struct.unpack("<4sii", f.read(12))
+            if ident not in (b"IWAD", b"PWAD"):
+                return set()
+            f.seek(offset)
+            directory = f.read(16 * n)
+    except (OSError, struct.error):
+        return set()
+    names = [directory[i + 8:i + 16].rstrip(b"\0").decode("ascii", "replace").upper()
+             for i in range(0, len(directory) - 15, 16)]
+    return {a for a, b in zip(names, names[1:], strict=False) if b in ("THINGS", "TEXTMAP")}
+
+
 def _engine_children() -> set[int]:
     """PIDs of our direct children (the ViZDoom engine is one)."""
     me = str(os.getpid())
@@ -110,6 +134,10 @@ class RealGame:
     def __init__(self, cfg: GameConfig = GameConfig()) -> None:
         self.cfg = cfg
         wad, scenario = resolve_wad(cfg)
+        maps = wad_maps(wad) | (wad_maps(scenario) if scenario.endswith(".wad") else set())
+        if maps and cfg.map.upper() not in maps:
+            where = Path(scenario or wad).name
+            raise GameError(f"unknown map {cfg.map!r} in {where}; it has: {', '.join(sorted(maps))}")
         res = RESOLUTIONS.get((cfg.height, cfg.width))
         if res is None:
             raise GameError(f"unsupported resolution {cfg.width}x{cfg.height}; "
@@ -153,7 +181,7 @@ class RealGame:
                 os.chdir(cwd)
         self.game = g
         self._reapers = [
-            subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), str(pid)],
+            subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), str(pid), self._tmp],
                              stdin=subprocess.DEVNULL, start_new_session=True)
             for pid in _engine_children() - before
         ]

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -167,7 +168,7 @@ class Recording:
         ep = np.asarray(self.steps["episode"])
         cuts = np.flatnonzero(np.diff(ep)) + 1
         bounds = [0, *cuts.tolist(), self.n]
-        return list(zip(bounds[:-1], bounds[1:]))
+        return list(zip(bounds[:-1], bounds[1:], strict=False))
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,178 @@
+"""Checkpoints without pickle: model folders via diffusers save_pretrained (config.json + safetensors)
+and training state (optimizer, step, RNG) as safetensors with JSON metadata, all written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated or does not match what is asked of it."""
+
+
+def save_state(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Atomically write tensors + a JSON-able dict to one safetensors file."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+              metadata={"meta": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    path = Path(path)
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+        return load_file(str(path)), meta
+    except FileNotFoundError:
+        raise CheckpointError(f"missing file {path}") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"corrupt or truncated file {path}: {e}") from None
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten an optimizer state_dict into tensors + JSON (param_groups)."""
+    sd = opt.state_dict()
+    tensors = {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            tensors[f"opt.{idx}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, idx, name = k.split(".", 2)
+            state.setdefault(int(idx), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_model_dir(model: Any, path: str | Path) -> None:
+    """save_pretrained into a temp folder, then swap it in, so a kill never leaves half a model."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_model_dir(cls: Any, path: str | Path) -> Any:
+    """cls.from_pretrained on a local folder, with one clear line for a missing or broken file."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"missing {path / 'config.json'}")
+    if not (path / "diffusion_pytorch_model.safetensors").is_file():
+        raise CheckpointError(f"missing {path / 'diffusion_pytorch_model.safetensors'}")
+    try:
+        return cls.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # diffusers raises many types (OSError, EnvironmentError, SafetensorError…)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load {path}: {first[:300]}") from None
+
+
+# -- the playable checkpoint folder --------------------------------------------------------------
+# config.json          neuraldoom's own: game, denoiser and sampler configs, action set, training notes
+# autoencoder/         diffusers AutoencoderTiny (config.json + safetensors)
+# unet/                diffusers UNet2DConditionModel (EMA weights)
+# action_encoder/      the action-token embedding (diffusers ModelMixin)
+# context.safetensors  the starting context: N real frames (uint8) + the N actions that led to them
+CHECKPOINT_FORMAT = 1
+
+
+def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoiser_cfg: Any, sampler_cfg: Any,
+                    context_frames: Any, context_actions: Any, notes: dict[str, Any] | None = None) -> None:
+    """Write a complete, playable checkpoint folder atomically (built aside, then swapped in)."""
+    from . import actions as A
+    from .config import to_dict
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ae.save_pretrained(str(tmp / "autoencoder"), safe_serialization=True)
+    denoiser.unet.save_pretrained(str(tmp / "unet"), safe_serialization=True)
+    denoiser.action_encoder.save_pretrained(str(tmp / "action_encoder"), safe_serialization=True)
+    save_file({"frames": torch.as_tensor(context_frames).contiguous(),
+               "actions": torch.as_tensor(context_actions, dtype=torch.int64).contiguous()},
+              str(tmp / "context.safetensors"))
+    cfg = {
+        "format": CHECKPOINT_FORMAT,
+        "game": to_dict(game),
+        "denoiser": to_dict(denoiser_cfg),
+        "sampler": to_dict(sampler_cfg),
+        "buttons": list(A.BUTTONS),
+        "turn_buckets": list(A.TURN_BUCKETS),
+        "notes": notes or {},
+    }
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Checkpoint:
+    """A loaded checkpoint: models (eval mode, float32, CPU) + configs + starting context."""
+
+    def __init__(self, path: str | Path) -> None:
+        from diffusers import AutoencoderTiny, UNet2DConditionModel
+
+        from . import actions as A
+        from .config import DenoiserConfig, GameConfig, SamplerConfig, from_dict
+        from .denoiser import ActionEncoder, Denoiser
+
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"no checkpoint folder at {self.path}")
+        try:
+            cfg = json.loads((self.path / "config.json").read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"missing {self.path / 'config.json'}") from None
+        except ValueError as e:
+            raise CheckpointError(f"corrupt {self.path / 'config.json'}: {e}") from None
+        if cfg.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{self.path}/config.json: unknown checkpoint format {cfg.get('format')!r}")
+        if cfg.get("buttons") != list(A.BUTTONS) or cfg.get("turn_buckets") != list(A.TURN_BUCKETS):
+            raise CheckpointError(f"{self.path} was trained with another action set: {cfg.get('buttons')}")
+        self.config = cfg
+        self.game = from_dict(GameConfig, cfg["game"])
+        self.denoiser_cfg = from_dict(DenoiserConfig, cfg["denoiser"])
+        self.sampler_cfg = from_dict(SamplerConfig, cfg["sampler"])
+        self.ae = load_model_dir(AutoencoderTiny, self.path / "autoencoder").eval()
+        unet = load_model_dir(UNet2DConditionModel, self.path / "unet")
+        enc = load_model_dir(ActionEncoder, self.path / "action_encoder")
+        self.denoiser = Denoiser(unet, enc).eval()
+        ctx, _ = load_state(self.path / "context.safetensors")
+        if "frames" not in ctx or "actions" not in ctx:
+            raise CheckpointError(f"{self.path / 'context.safetensors'} lacks frames/actions")
+        self.context_frames = ctx["frames"].numpy()
+        self.context_actions = ctx["actions"].numpy()
+        n = self.denoiser_cfg.context
+        H, W = self.game.height, self.game.width
+        if self.context_frames.shape != (n, H, W, 3) or self.context_actions.shape != (n, 2):
+            raise CheckpointError(
+                f"{self.path / 'context.safetensors'}: frames {tuple(self.context_frames.shape)} / actions "
+                f"{tuple(self.context_actions.shape)} do not match context {n} at {W}x{H}")
+        if unet.config.in_channels != self.ae.config.latent_channels * (n + 1):
+            raise CheckpointError(f"{self.path}: unet/ expects {unet.config.in_channels} input channels, "
+                                  f"autoencoder/ and context {n} give {self.ae.config.latent_channels * (n + 1)}")

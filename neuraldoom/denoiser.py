@@ -1,0 +1,82 @@
+"""The denoiser: diffusers' UNet2DConditionModel conditioned on past frames and actions (GameNGen §3.1).
+
+- past frames: the N context latents are concatenated with the noisy target latent on channels, so
+  only `conv_in` sees them (the context length barely changes the cost);
+- actions: one cross-attention token per step for the N+1 actions (the action that led to each context
+  frame, plus the current one), in place of SD's text tokens;
+- noise augmentation (§3.2.1): the level of the Gaussian noise added to the context, discretized into
+  buckets, enters through the UNet's class embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import ModelMixin, UNet2DConditionModel
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from torch import nn
+
+from . import actions as A
+from .config import DenoiserConfig
+
+
+class ActionEncoder(ModelMixin, ConfigMixin):
+    """(B, T, 2) action codes -> (B, T, D) tokens: sum of per-button vectors + turn vector + position."""
+
+    @register_to_config
+    def __init__(self, dim: int = 256, length: int = 65, num_buttons: int = A.NUM_BUTTONS,
+                 num_turns: int = A.NUM_TURNS) -> None:
+        super().__init__()
+        self.buttons = nn.Parameter(torch.randn(num_buttons, dim) * 0.02)
+        self.turns = nn.Embedding(num_turns, dim)
+        self.position = nn.Parameter(torch.randn(length, dim) * 0.02)
+        self.norm = nn.LayerNorm(dim)
+        nn.init.normal_(self.turns.weight, std=0.02)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        bits = (codes[..., :1] >> torch.arange(self.buttons.shape[0], device=codes.device)) & 1  # (B, T, nb)
+        tok = bits.to(self.buttons.dtype) @ self.buttons + self.turns(codes[..., 1])  # (B, T, D)
+        return self.norm(tok + self.position[-codes.shape[1]:])
+
+
+def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:
+    n = len(cfg.block_out_channels)
+    return UNet2DConditionModel(
+        sample_size=latent_hw,
+        in_channels=latent_channels * (cfg.context + 1),
+        out_channels=latent_channels,
+        down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (n - 1),
+        up_block_types=("CrossAttnUpBlock2D",) * (n - 1) + ("UpBlock2D",),
+        mid_block_type="UNetMidBlock2DCrossAttn",
+        block_out_channels=cfg.block_out_channels,
+        layers_per_block=cfg.layers_per_block,
+        attention_head_dim=cfg.attention_heads,  # diffusers' legacy name: it sets the number of heads
+        cross_attention_dim=cfg.cross_attention_dim,
+        num_class_embeds=cfg.noise_buckets,
+        only_cross_attention=cfg.only_cross_attention,
+        norm_num_groups=min(32, cfg.block_out_channels[0]),
+    )
+
+
+class Denoiser(nn.Module):
+    """UNet + action encoder. Predicts v (v-prediction) for the next frame's latent."""
+
+    def __init__(self, unet: UNet2DConditionModel, action_encoder: ActionEncoder) -> None:
+        super().__init__()
+        self.unet = unet
+        self.action_encoder = action_encoder
+
+    @property
+    def context(self) -> int:
+        return self.action_encoder.config.length - 1
+
+    def forward(self, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor, actions: torch.Tensor,
+                bucket: torch.Tensor) -> torch.Tensor:
+        # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int
+        x = torch.cat([noisy, context.flatten(1, 2)], 1)  # (B, C*(N+1), h, w)
+        tokens = self.action_encoder(actions)  # (B, N+1, D)
+        return self.unet(x, t, encoder_hidden_states=tokens, class_labels=bucket, return_dict=False)[0]
+
+
+def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> Denoiser:
+    return Denoiser(build_unet(cfg, latent_channels, latent_hw),
+                    ActionEncoder(cfg.cross_attention_dim, cfg.context + 1))

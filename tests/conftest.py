@@ -1,0 +1,58 @@
+"""Shared test setup: pygame without a display, the repository importable from subprocesses."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["SDL_VIDEODRIVER"] = "dummy"  # before anything imports pygame
+os.environ["PYGAME_HIDE_SUPPORT_PROMPT"] = "1"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    """Environment for `python -m neuraldoom.cli …` in a subprocess: the repo on the path, headless."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@pytest.fixture
+def small_game_cfg():
+    """The default game (freedoom1 E1M1, 160x120, frame_skip 2) with a short episode timeout."""
+    from neuraldoom.config import GameConfig
+
+    return GameConfig(episode_timeout=200)
+
+
+@pytest.fixture
+def recorded(tmp_path, small_game_cfg):
+    """A real recording of 2 episodes (seeds 11 and 12), 40 + 30 steps, written by RecordingWriter."""
+    import numpy as np
+
+    from neuraldoom.actions import StickyRandomPolicy
+    from neuraldoom.game import RealGame
+    from neuraldoom.recording import RecordingWriter
+
+    path = tmp_path / "rec"
+    policy = StickyRandomPolicy(np.random.default_rng(0))
+    frames, acts = [], []
+    with RealGame(small_game_cfg) as game, RecordingWriter(path, small_game_cfg, flush_every=8) as w:
+        for seed, n in ((11, 40), (12, 30)):
+            frame = game.reset(seed)
+            w.new_episode(seed)
+            for _ in range(n):
+                a = policy()
+                w.add(frame, a, game.variables)
+                frames.append(frame.copy())
+                acts.append(a)
+                frame = game.step(a)
+    return path, frames, acts

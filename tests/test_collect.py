@@ -1,0 +1,51 @@
+"""training/collect.py end to end on a tiny budget."""
+
+from __future__ import annotations
+
+from neuraldoom.cli import inspect_path
+from neuraldoom.recording import Recording, find_recordings
+from training import collect
+
+ARGS = ["--workers", "2", "--episode-tics", "60", "--heldout", "0.3", "--seed", "1"]
+
+
+def seeds(path) -> set[int]:
+    return {s for p in find_recordings(path) for s in Recording(p).summary()["seeds"]}
+
+
+def test_collect_writes_shards_and_tops_up(tmp_path, capsys):
+    out = tmp_path / "data"
+    assert collect.main(["--steps", "240", "--out", str(out), *ARGS]) == 0
+    shards = find_recordings(out)
+    assert {p.parent.name for p in shards} == {"train", "heldout"}
+    assert sorted(p.name for p in shards if p.parent.name == "train") == ["run-000-w00", "run-000-w01"]
+    total = inspect_path(out)
+    assert total["frames"] == 240 and total["recordings"] == 4
+    assert (total["height"], total["width"], total["frame_skip"]) == (120, 160, 2)
+    # 60 tics at frame_skip 2 = 30 steps per episode: 8 episodes, each in exactly one split
+    assert total["episodes"] == 8
+    assert inspect_path(out / "heldout")["frames"] > 0 and inspect_path(out / "train")["frames"] > 0
+    for p in shards:
+        rec = Recording(p)
+        for a, b in rec.episodes():
+            assert rec.steps["t"][a:b].tolist() == list(range(b - a))  # whole episodes, in order
+    first = seeds(out)
+
+    # a rerun with a larger total appends new shards with fresh seeds up to the new total
+    assert collect.main(["--steps", "400", "--out", str(out), *ARGS]) == 0
+    assert inspect_path(out)["frames"] == 400
+    second = [p for p in find_recordings(out) if p.name.startswith("run-001")]
+    assert second
+    assert not first & {s for p in second for s in Recording(p).summary()["seeds"]}, "seeds reused"
+
+    # already there: nothing to do
+    capsys.readouterr()
+    assert collect.main(["--steps", "300", "--out", str(out), *ARGS]) == 0
+    assert "already holds 400" in capsys.readouterr().out
+    assert inspect_path(out)["frames"] == 400
+
+
+def test_collect_bad_map_fails_fast(tmp_path, capsys):
+    assert collect.main(["--steps", "10", "--out", str(tmp_path / "d"), "--map", "E9M9"]) == 2
+    assert "unknown map" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

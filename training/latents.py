@@ -1,0 +1,87 @@
+"""The latent cache for denoiser training: recordings encoded once by the autoencoder, stored as fp16
+files per recording (resumable: a recording is encoded whole or not at all), loaded into RAM as one
+tensor with the actions and episode starts needed to cut context windows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderTiny
+from tqdm import tqdm
+
+from neuraldoom import actions as A
+from neuraldoom import autoencoder as AE
+from neuraldoom.recording import open_dataset
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+class LatentSet:
+    """Latents (M, C, h, w) fp16, action codes (M, 2), episode start row (M,), target-able rows."""
+
+    def __init__(self, z: torch.Tensor, actions: np.ndarray, ep_start: np.ndarray, valid: np.ndarray) -> None:
+        self.z = z
+        self.actions = torch.as_tensor(actions, dtype=torch.int64)
+        self.ep_start = torch.as_tensor(ep_start, dtype=torch.int64)
+        self.targets = torch.as_tensor(np.flatnonzero(valid))
+        self.noop = torch.tensor([A.NOOP.buttons, A.NOOP.turn])
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def window(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For target rows idx (B,): target (B,C,h,w), context (B,N,C,h,w), action codes (B,N+1,2).
+
+        Context frames before the episode start repeat its first frame; the action that led to a frame
+        before (or at) the start is NOOP. Token k belongs to context frame k; token N is the current action.
+        """
+        s = self.ep_start[idx][:, None]
+        ctx_rows = torch.maximum(idx[:, None] + torch.arange(-n, 0), s)  # (B, N)
+        tok_rows = idx[:, None] + torch.arange(-n - 1, 0)  # (B, N+1): action[j-1] led to frame j
+        codes = self.actions[tok_rows.clamp(min=0)]
+        codes = torch.where((tok_rows >= s)[..., None], codes, self.noop)
+        return self.z[idx].float(), self.z[ctx_rows].float(), codes
+
+
+def build(ae: AutoencoderTiny, ae_dir: Path, data: Path, cache: Path, max_frames: int) -> LatentSet:
+    """Encode (or reuse) the first frames of each recording under `data`, up to max_frames in all."""
+    digest = file_digest(ae_dir / "diffusion_pytorch_model.safetensors")
+    recs = [r for r in open_dataset(data) if len(r)]
+    per = max(1, max_frames // len(recs)) if max_frames else None
+    zs, acts, starts, ts = [], [], [], []
+    offset = 0
+    for r in recs:
+        n = len(r) if per is None else min(len(r), per)
+        d = cache / r.path.parent.name / r.path.name
+        meta = {"ae": digest, "rows": n}
+        f = d / "latents.f16"
+        C = ae.config.latent_channels
+        h, w = AE.latent_hw(ae, r.game.height, r.game.width)
+        if not (d / "meta.json").exists() or json.loads((d / "meta.json").read_text()) != meta:
+            d.mkdir(parents=True, exist_ok=True)
+            out = np.lib.format.open_memmap(d / "tmp.npy", "w+", np.float16, (n, C, h, w))
+            for i in tqdm(range(0, n, 256), desc=f"encode {r.path.name}", mininterval=10):
+                j = min(i + 256, n)
+                out[i:j] = AE.encode(ae, np.asarray(r.frames[i:j]), 64).half().numpy()
+            out.flush()
+            del out
+            os.replace(d / "tmp.npy", f)
+            (d / "meta.json").write_text(json.dumps(meta))
+        zs.append(torch.from_numpy(np.load(f, mmap_mode="r")[:n].copy()))
+        steps = r.steps[:n]
+        acts.append(np.stack([steps["buttons"], steps["turn"]], -1))
+        ep = np.asarray(steps["episode"])
+        first = np.r_[0, np.flatnonzero(np.diff(ep)) + 1]
+        starts.append(offset + first[np.searchsorted(first, np.arange(n), side="right") - 1])
+        valid = np.ones(n, bool)
+        valid[first] = False  # an episode's first frame has no previous frame to predict it from
+        ts.append(valid)
+        offset += n
+    return LatentSet(torch.cat(zs), np.concatenate(acts), np.concatenate(starts), np.concatenate(ts))

@@ -1,0 +1,201 @@
+"""Train the frame autoencoder on recordings (pixel MSE + a little L1, the status bar weighted up), then
+optionally fine-tune the decoder alone with the encoder frozen (GameNGen §3.2.2, which fixed the HUD).
+
+    python -m training.train_autoencoder --data data/e1m1 --out runs/ae --minutes 25
+    python -m training.train_autoencoder --data data/e1m1 --out runs/ae --decoder-only --minutes 10
+
+Reads DATA/train for training and DATA/heldout for the reported PSNR (whole frame and status bar).
+Saves OUT/autoencoder (diffusers folder) and OUT/ae_state.safetensors (optimizer, step) every
+--save-every seconds, atomically; rerunning the same command resumes. OUT/ae_log.jsonl holds the curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from diffusers import AutoencoderTiny
+from tqdm import tqdm
+
+from neuraldoom import autoencoder as AE
+from neuraldoom import metrics
+from neuraldoom.checkpoint import (
+    CheckpointError,
+    load_model_dir,
+    load_optimizer,
+    load_state,
+    optimizer_tensors,
+    save_model_dir,
+    save_state,
+)
+from neuraldoom.config import AutoencoderConfig, parse_args
+from neuraldoom.recording import RecordingError
+from training.data import FramePool
+
+
+@dataclass(frozen=True)
+class Args:
+    data: str  # dataset folder with train/ and heldout/ recordings
+    out: str  # run folder (resumed if it holds a state)
+    steps: int = 20000  # optimizer steps (cosine schedule length)
+    minutes: float = 0.0  # stop (and save) after this much wall time; 0 = no limit
+    batch: int = 32
+    lr: float = 1e-3
+    crop: tuple[int, int] = (64, 80)  # train on crops (fully convolutional; ~2.5x cheaper); 0,0 = frames
+    hud_weight: float = 4.0  # loss weight of the status bar: it is game state, not decoration
+    l1: float = 0.1
+    decoder_only: bool = False  # freeze the encoder, fine-tune the decoder on whole frames
+    init_from: str = ""  # an autoencoder folder to start from (e.g. checkpoints/e1m1/autoencoder)
+    save_every: float = 120.0  # seconds
+    eval_every: int = 250
+    eval_frames: int = 256
+    seed: int = 0
+    threads: int = 1  # torch threads (1 per process: 2 threads on a busy 2-core CPU run slower)
+    latent_channels: int = AutoencoderConfig.latent_channels
+    encoder_channels: int = AutoencoderConfig.encoder_channels
+    decoder_channels: int = AutoencoderConfig.decoder_channels
+
+
+def sample_batch(pool: FramePool, rng: np.random.Generator, a: Args, factor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels (B,3,h,w) in [-1,1], per-pixel loss weights (B,1,h,w)); crops keep the status bar half the time."""
+    x = AE.to_pixels(pool.sample(rng, a.batch), factor)  # (B, 3, H', W')
+    H, W = pool.height, pool.width
+    w = torch.ones(1, 1, *x.shape[-2:])
+    w[..., metrics.hud_top(H):H, :] = a.hud_weight
+    w[..., H:, :] = 0  # padding rows carry no loss
+    w[..., W:] = 0
+    w = w.expand(len(x), -1, -1, -1)
+    ch, cw = a.crop
+    if ch and cw and not a.decoder_only:
+        xs, ws = [], []
+        for i in range(len(x)):
+            if rng.random() < 0.5:  # a crop holding the status bar
+                top = (x.shape[-2] - ch) // factor * factor
+            else:
+                top = int(rng.integers(0, (x.shape[-2] - ch) // factor + 1)) * factor
+            left = int(rng.integers(0, (x.shape[-1] - cw) // factor + 1)) * factor
+            xs.append(x[i, :, top:top + ch, left:left + cw])
+            ws.append(w[i, :, top:top + ch, left:left + cw])
+        x, w = torch.stack(xs), torch.stack(ws)
+    return x, w
+
+
+@torch.no_grad()
+def evaluate(ae: AutoencoderTiny, frames: np.ndarray) -> dict[str, float]:
+    ae.eval()
+    rec = AE.decode(ae, AE.encode(ae, frames, 32), frames.shape[1], frames.shape[2])
+    ae.train()
+    return {"psnr": metrics.psnr(rec, frames), "hud_psnr": metrics.psnr(metrics.hud(rec), metrics.hud(frames))}
+
+
+@torch.no_grad()
+def normalize_latents(ae: AutoencoderTiny, frames: np.ndarray) -> None:
+    """Record the latents' mean/std in the config so the denoiser sees ~unit-variance inputs."""
+    ae.register_to_config(shift_factor=0.0, scaling_factor=1.0)
+    z = AE.encode(ae, frames, 32)
+    ae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(Args, argv, __doc__)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / ("dec_state.safetensors" if a.decoder_only else "ae_state.safetensors")
+    try:
+        train = FramePool(Path(a.data) / "train")
+        held = FramePool(Path(a.data) / "heldout")
+    except RecordingError as e:
+        print(f"train_autoencoder: {e}", file=sys.stderr)
+        return 2
+    eval_frames = held.evenly(a.eval_frames)
+
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    try:
+        if (out / "autoencoder").exists() and (state_path.exists() or a.decoder_only):
+            ae = load_model_dir(AutoencoderTiny, out / "autoencoder")  # resume, or decoder fine-tune
+        elif a.init_from:
+            ae = load_model_dir(AutoencoderTiny, a.init_from)
+        else:
+            if a.decoder_only:
+                raise CheckpointError(f"--decoder-only needs a trained autoencoder in {out}/autoencoder")
+            ae = AE.build_autoencoder(AutoencoderConfig(latent_channels=a.latent_channels,
+                                                        encoder_channels=a.encoder_channels,
+                                                        decoder_channels=a.decoder_channels))
+        step = 0
+        params = ae.decoder.parameters() if a.decoder_only else ae.parameters()
+        ae.encoder.requires_grad_(not a.decoder_only)
+        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
+        if state_path.exists():
+            tensors, meta = load_state(state_path)
+            load_optimizer(opt, tensors, meta)
+            step = int(meta["step"])
+            print(f"train_autoencoder: resuming at step {step}")
+    except CheckpointError as e:
+        print(f"train_autoencoder: {e}", file=sys.stderr)
+        return 2
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 200) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)),
+        last_epoch=step - 1 if step else -1)
+    ae.train()
+    ae, opt = acc.prepare(ae, opt)
+    raw = acc.unwrap_model(ae)
+    factor = AE.downsampling(raw)
+    rng = np.random.default_rng([a.seed, step, acc.process_index])
+
+    def save() -> None:
+        if acc.is_main_process:
+            normalize_latents(raw, eval_frames[:128])
+            save_model_dir(raw, out / "autoencoder")
+            t, m = optimizer_tensors(opt)
+            save_state(state_path, t, {**m, "step": step, "args": asdict(a)})
+
+    log = open(out / "ae_log.jsonl", "a")
+    t0 = last_save = time.time()
+    seen = 0
+    bar = tqdm(total=a.steps, initial=step, desc="decoder" if a.decoder_only else "autoencoder", mininterval=10)
+    while step < a.steps:
+        x, w = sample_batch(train, rng, a, factor)
+        x, w = x.to(acc.device), w.to(acc.device)
+        with torch.no_grad() if a.decoder_only else torch.enable_grad():
+            z = AE.encode_pixels(raw, x)
+        y = AE.decode_pixels(raw, z)
+        err = y - x
+        loss = ((err.pow(2) + a.l1 * err.abs()) * w).sum() / (w.sum() * 3)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(loss)
+        acc.clip_grad_norm_(ae.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        seen += len(x)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{seen / (time.time() - t0):.1f}")
+        if step % a.eval_every == 0 or step == a.steps:
+            ev = evaluate(raw, eval_frames)
+            rec = {"step": step, "loss": loss.item(), "minutes": (time.time() - t0) / 60, **ev}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.write(json.dumps(rec))
+        timeout = a.minutes and time.time() - t0 > a.minutes * 60
+        if time.time() - last_save > a.save_every or step == a.steps or timeout:
+            save()
+            last_save = time.time()
+        if timeout:
+            break
+    bar.close()
+    ev = evaluate(raw, eval_frames)
+    print(f"train_autoencoder: step {step}, held-out PSNR {ev['psnr']:.2f} dB, status bar {ev['hud_psnr']:.2f} dB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

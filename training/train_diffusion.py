@@ -1,0 +1,223 @@
+"""Train the action-conditioned denoiser on latents of recordings (GameNGen §3.1-3.2).
+
+    python -m training.train_diffusion --data data/e1m1 --autoencoder runs/ae/autoencoder --out runs/dm
+    python -m training.train_diffusion --data data/e1m1 --init-from checkpoints/e1m1 --out runs/dm2
+
+Encodes DATA/train and DATA/heldout once into OUT/latents (cached, reused while the autoencoder is the
+same), then trains with the v-prediction loss (eq. 1, linear betas), noise augmentation of the context
+(level ~ U[0, 0.7], 10 buckets, §3.2.1), context dropout 0.1 (for CFG), AdamW, EMA weights and gradient
+clipping, under `accelerate` (one CPU process here; `accelerate launch` on GPUs). Every --save-every
+seconds it writes, atomically, OUT/train_state.safetensors (weights, optimizer, EMA, step: rerunning the
+same command resumes) and OUT/checkpoint (a complete playable checkpoint with the EMA weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from diffusers import AutoencoderTiny, DDPMScheduler
+from diffusers.training_utils import EMAModel
+from tqdm import tqdm
+
+from neuraldoom import actions as A
+from neuraldoom.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_model_dir,
+    load_optimizer,
+    load_state,
+    optimizer_tensors,
+    save_checkpoint,
+    save_state,
+)
+from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
+from neuraldoom.denoiser import Denoiser, build_denoiser
+from neuraldoom.recording import Recording, RecordingError, find_recordings
+from training import latents as L
+
+
+@dataclass(frozen=True)
+class Args:
+    data: str  # dataset folder with train/ and heldout/ recordings
+    out: str  # run folder (resumed if it holds a state)
+    autoencoder: str = ""  # autoencoder folder; default: the one in --init-from
+    init_from: str = ""  # a checkpoint to continue training (weights only; optimizer starts fresh)
+    steps: int = 100000
+    minutes: float = 0.0  # stop (and save) after this much wall time; 0 = no limit
+    batch: int = 32
+    lr: float = 3e-4
+    warmup: int = 200
+    ema: float = 0.999
+    context_dropout: float = 0.1  # drop the past frames (not the actions) so CFG has an unconditional
+    max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
+    save_every: float = 300.0  # seconds
+    eval_every: int = 250
+    seed: int = 0
+    threads: int = 1
+    context: int = DenoiserConfig.context
+    block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
+    attention_heads: int = DenoiserConfig.attention_heads
+    cross_attention_dim: int = DenoiserConfig.cross_attention_dim
+
+
+def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.2.1: Gaussian noise of a level ~ U[0, max] on the context; the level's bucket conditions the UNet."""
+    B = len(ctx)
+    level = torch.rand(B, generator=gen) * cfg.max_noise_level
+    bucket = (level / cfg.max_noise_level * cfg.noise_buckets).long().clamp(max=cfg.noise_buckets - 1)
+    noisy = ctx + level.view(B, 1, 1, 1, 1) * torch.randn(ctx.shape, generator=gen)
+    return noisy, bucket
+
+
+def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
+                   dropout: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
+    B = len(target)
+    ctx, bucket = noise_augment(ctx, cfg, gen)
+    drop = torch.rand(B, generator=gen) < dropout
+    ctx = torch.where(drop.view(B, 1, 1, 1, 1), torch.zeros_like(ctx), ctx)
+    eps = torch.randn(target.shape, generator=gen)
+    t = torch.randint(0, sched.config.num_train_timesteps, (B,), generator=gen)
+    noisy = sched.add_noise(target, eps, t)
+    v = sched.get_velocity(target, eps, t)  # eq. 1: v-prediction
+    pred = model(noisy.to(device), t.to(device), ctx.to(device), codes.to(device), bucket.to(device))
+    return F.mse_loss(pred.float(), v.to(device))
+
+
+def starting_context(data: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first n frames of the first held-out episode long enough, and the actions that led to them."""
+    for p in find_recordings(data / "heldout") + find_recordings(data / "train"):
+        r = Recording(p)
+        for s, e in r.episodes():
+            if e - s > n:
+                acts = np.concatenate([[[A.NOOP.buttons, A.NOOP.turn]], r.actions[s:s + n - 1]])
+                return np.asarray(r.frames[s:s + n]), acts
+    raise RecordingError(f"no episode in {data} has more than {n} frames for the starting context")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(Args, argv, __doc__)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "train_state.safetensors"
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    try:
+        init = Checkpoint(a.init_from) if a.init_from else None
+        ae_dir = Path(a.autoencoder) if a.autoencoder else (init.path / "autoencoder" if init else None)
+        if ae_dir is None:
+            raise CheckpointError("give --autoencoder DIR (a trained autoencoder) or --init-from CHECKPOINT")
+        ae = load_model_dir(AutoencoderTiny, ae_dir).eval()
+        dcfg = init.denoiser_cfg if init else replace(
+            DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
+            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim)
+        data = Path(a.data)
+        game = Recording(find_recordings(data / "train")[0]).game
+        ctx_frames, ctx_actions = starting_context(data, dcfg.context)
+        train = L.build(ae, ae_dir, data / "train", out / "latents" / "train", a.max_frames)
+        held = L.build(ae, ae_dir, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
+    except (CheckpointError, RecordingError) as e:
+        print(f"train_diffusion: {e}", file=sys.stderr)
+        return 2
+    hw = tuple(train.z.shape[-2:])
+    model = build_denoiser(dcfg, ae.config.latent_channels, hw)
+    if init is not None:
+        model.load_state_dict(init.denoiser.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    ema = EMAModel(model.parameters(), decay=a.ema, use_ema_warmup=True, power=3 / 4)
+    step, seen = 0, 0
+    if state_path.exists():
+        try:
+            tensors, meta = load_state(state_path)
+        except CheckpointError as e:
+            print(f"train_diffusion: {e}", file=sys.stderr)
+            return 2
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        load_optimizer(opt, tensors, meta)
+        ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
+        ema.optimization_step = meta["ema_step"]
+        step, seen = int(meta["step"]), int(meta["seen"])
+        print(f"train_diffusion: resuming at step {step}")
+    sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
+                          prediction_type="v_prediction")
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup),
+                                                 last_epoch=step - 1 if step else -1)
+    model.train()
+    model, opt = acc.prepare(model, opt)
+    raw = acc.unwrap_model(model)
+    gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
+    held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
+
+    @torch.no_grad()
+    def held_loss() -> float:
+        raw.eval()
+        g = torch.Generator().manual_seed(1)
+        loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context), dcfg, 0.0, g, acc.device)
+        raw.train()
+        return float(loss)
+
+    def save() -> None:
+        if not acc.is_main_process:
+            return
+        t, m = optimizer_tensors(opt)
+        t.update({f"model.{k}": v for k, v in raw.state_dict().items()})
+        t.update({f"ema.{i}": p for i, p in enumerate(ema.shadow_params)})
+        save_state(state_path, t, {**m, "step": step, "seen": seen, "ema_step": ema.optimization_step,
+                                   "args": asdict(a)})
+        shipped = copy.deepcopy(raw).cpu().eval()
+        ema.copy_to(shipped.parameters())
+        notes = {"steps": step, "samples": seen, "batch": a.batch, "lr": a.lr,
+                 "train_frames": int(train.z.shape[0]), "data": str(a.data),
+                 "init_from": a.init_from, "autoencoder": str(ae_dir)}
+        save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
+                        notes)
+
+    log = open(out / "log.jsonl", "a")
+    t0 = last_save = time.time()
+    seen0 = seen
+    bar = tqdm(total=a.steps, initial=step, desc="denoiser", mininterval=10)
+    while step < a.steps:
+        idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
+        loss = diffusion_loss(model, sched, train.window(idx, dcfg.context), dcfg, a.context_dropout, gen,
+                              acc.device)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lr_sched.step()
+        ema.step(raw.parameters())
+        step += 1
+        seen += a.batch
+        sps = (seen - seen0) / (time.time() - t0)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{sps:.1f}", refresh=False)
+        if step % a.eval_every == 0:
+            rec = {"step": step, "loss": loss.item(), "held_loss": held_loss(), "samples_per_s": sps,
+                   "minutes": (time.time() - t0) / 60}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.write(json.dumps(rec))
+        timeout = a.minutes and time.time() - t0 > a.minutes * 60
+        if time.time() - last_save > a.save_every or step == a.steps or timeout:
+            save()
+            last_save = time.time()
+        if timeout:
+            break
+    bar.close()
+    print(f"train_diffusion: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
+          f"checkpoint in {out / 'checkpoint'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
