@@ -63,7 +63,7 @@ def latent_hw(ae: AutoencoderTiny, height: int, width: int) -> tuple[int, int]:
 
 def to_pixels(frames: np.ndarray | torch.Tensor, factor: int) -> torch.Tensor:
     """uint8 (B, H, W, 3) -> float (B, 3, H', W') in [-1, 1], zero-padded at the bottom/right."""
-    x = torch.as_tensor(np.asarray(frames)).permute(0, 3, 1, 2).float().div(127.5).sub(1)
+    x = torch.tensor(np.asarray(frames)).permute(0, 3, 1, 2).float().div(127.5).sub(1)  # copy: memmaps are read-only
     H, W = x.shape[-2:]
     Hp, Wp = padded_hw(H, W, factor)
     return F.pad(x, (0, Wp - W, 0, Hp - H))

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -81,11 +82,17 @@ def load_model_dir(cls: Any, path: str | Path) -> Any:
         raise CheckpointError(f"missing {path / 'config.json'}")
     if not (path / "diffusion_pytorch_model.safetensors").is_file():
         raise CheckpointError(f"missing {path / 'diffusion_pytorch_model.safetensors'}")
+    from diffusers.utils import logging as dlog
+
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()  # AutoencoderTiny warns about its own saved "block_out_channels" key
     try:
         return cls.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # diffusers raises many types (OSError, EnvironmentError, SafetensorError…)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load {path}: {first[:300]}") from None
+    finally:
+        dlog.set_verbosity(level)
 
 
 # -- the playable checkpoint folder --------------------------------------------------------------
@@ -110,7 +117,7 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
     ae.save_pretrained(str(tmp / "autoencoder"), safe_serialization=True)
     denoiser.unet.save_pretrained(str(tmp / "unet"), safe_serialization=True)
     denoiser.action_encoder.save_pretrained(str(tmp / "action_encoder"), safe_serialization=True)
-    save_file({"frames": torch.as_tensor(context_frames).contiguous(),
+    save_file({"frames": torch.tensor(np.asarray(context_frames)),
                "actions": torch.as_tensor(context_actions, dtype=torch.int64).contiguous()},
               str(tmp / "context.safetensors"))
     cfg = {

@@ -3,8 +3,11 @@
     neuraldoom play                                   # the neural engine from checkpoints/e1m1
     neuraldoom play --engine real --record sessions/s1
     neuraldoom play --engine real --headless --frames 1000 --input random   # benchmark
+    neuraldoom play --side-by-side                    # real ViZDoom | neural engine, same actions, live PSNR
     neuraldoom inspect sessions/s1                    # one line of JSON
     neuraldoom export sessions/s1 s1.mp4
+    neuraldoom replay sessions/s1 --engine both --out runs/s1   # MP4 + PSNR plot + JSON
+    neuraldoom abtest --clips 20 --seconds 1.6        # blind A/B test: which clip is the real game?
 
 User errors (bad WAD, missing checkpoint, unwritable folder…) print one line and exit with code 2.
 """
@@ -102,6 +105,8 @@ def cmd_play(a: argparse.Namespace) -> int:
         engine_name=a.engine, seed=a.seed, scale=a.scale, fps=a.fps, uncapped=a.uncapped, headless=a.headless,
         frames=a.frames, input=a.input, record=a.record, sensitivity=a.sensitivity, overlay=not a.no_overlay,
     )
+    if getattr(a, "side_by_side", False):
+        return _play_side_by_side(a, opts)
     engine = make_engine(a)
     try:
         stats = client.run(engine, opts)
@@ -110,6 +115,60 @@ def cmd_play(a: argparse.Namespace) -> int:
     if a.headless or stats["quit"] == "interrupt":
         print(client.summary_line(stats))
     return 130 if stats["quit"] == "interrupt" else 0
+
+
+def _neural_checkpoint(a: argparse.Namespace) -> Path:
+    """The checkpoint folder for commands that need the neural engine, or a one-line error."""
+    ckpt = resolve_checkpoint(a.checkpoint)
+    if not ckpt.is_dir():
+        raise UsageError(f"no neural checkpoint at {ckpt} (train one, or pass --checkpoint)")
+    return ckpt
+
+
+def _play_side_by_side(a: argparse.Namespace, opts: Any) -> int:
+    """`play --side-by-side`: the real game and the neural engine in lockstep, in one window."""
+    from . import sidebyside
+    from .lockstep import Lockstep
+
+    ckpt = _neural_checkpoint(a)
+    given = [f"--{k.replace('_', '-')}" for k in ("wad", "scenario", "map", "width", "height", "frame_skip")
+             if getattr(a, k) is not None]
+    if given:
+        print(f"neuraldoom: {' '.join(given)} ignored: side by side plays the checkpoint's game", file=sys.stderr)
+    pair = Lockstep.from_checkpoint(ckpt, compile=not a.no_compile, seed=a.seed or 0)
+    try:
+        stats = sidebyside.run(pair, opts)
+    finally:
+        pair.close()
+    if a.headless or stats["quit"] == "interrupt":
+        print(sidebyside.summary_line(stats))
+    return 130 if stats["quit"] == "interrupt" else 0
+
+
+# -- replay / abtest ----------------------------------------------------------------------------------
+def cmd_replay(a: argparse.Namespace) -> int:
+    from . import replay
+
+    if not Path(a.recording).exists():
+        raise UsageError(f"{a.recording} does not exist")
+    ckpt = _neural_checkpoint(a) if a.engine != "real" else None
+    rep = replay.run_replay(a.recording, a.engine, ckpt, a.out, compile=not a.no_compile, warmup=a.warmup,
+                            resync_every=a.resync_every, seed=a.seed, measure_ssim=not a.no_ssim)
+    print(replay.summary_line(rep))
+    return 0
+
+
+def cmd_abtest(a: argparse.Namespace) -> int:
+    from . import abtest
+
+    ckpt = _neural_checkpoint(a)
+    if a.recording is not None and not Path(a.recording).exists():
+        raise UsageError(f"{a.recording} does not exist")
+    s = abtest.run_abtest(ckpt, clips=a.clips, seconds=a.seconds, answers=a.answers, auto=a.auto,
+                          compile=not a.no_compile, seed=a.seed, scale=a.scale, recording=a.recording,
+                          headless=a.headless)
+    print(abtest.summary_line(s))
+    return 0
 
 
 # -- inspect / export ---------------------------------------------------------------------------------
@@ -173,6 +232,9 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uncapped", action="store_true", help="do not pace the loop")
     p.add_argument("--sensitivity", type=float, default=0.25, help="mouse: degrees of turn per pixel")
     p.add_argument("--no-overlay", action="store_true", help="start with the overlay hidden (F1 toggles)")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="real ViZDoom | neural engine in one window, the same actions to both (--engine ignored); "
+                        "R re-sync, L layout, N single step")
     g = p.add_argument_group("real engine game (GameConfig)")
     g.add_argument("--wad", default=None, help=f"default {GameConfig.wad}")
     g.add_argument("--scenario", default=None, help="a shipped scenario name or a .wad/.cfg path")
@@ -198,6 +260,36 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--fps", type=float, default=None, help="default: the game's speed, 35 / frame_skip")
     exp.add_argument("--scale", type=int, default=2, help="nearest-neighbour upscale")
     exp.set_defaults(func=cmd_export)
+    rep = sub.add_parser("replay", help="replay a recording's actions through the real game, the neural engine "
+                                        "or both; with --out: MP4, PSNR plot and JSON")
+    rep.add_argument("recording")
+    rep.add_argument("--engine", choices=("real", "neural", "both"), default="both")
+    rep.add_argument("--out", default=None, metavar="DIR", help="write DIR/replay.mp4, DIR/psnr.png, DIR/replay.json")
+    rep.add_argument("--checkpoint", default=None,
+                     help=f"neural checkpoint folder (default: {DEFAULT_CHECKPOINT} in the repository)")
+    rep.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
+    rep.add_argument("--warmup", type=int, default=1,
+                     help="frames of each episode given to the neural engine as context (padded to its length)")
+    rep.add_argument("--resync-every", type=int, default=0, metavar="N",
+                     help="refill the neural context from the reference every N generated steps (0: never)")
+    rep.add_argument("--seed", type=int, default=0, help="the neural sampler's noise seed")
+    rep.add_argument("--no-ssim", action="store_true", help="skip SSIM (faster on long recordings)")
+    rep.set_defaults(func=cmd_replay)
+    ab = sub.add_parser("abtest", help="blind A/B test: pairs of real and neural clips of the same actions, "
+                                       "which one is real? (GameNGen §5.1)")
+    ab.add_argument("--clips", type=int, default=10, help="number of clip pairs")
+    ab.add_argument("--seconds", type=float, default=1.6, help="clip length (the paper: 1.6 and 3.2)")
+    ab.add_argument("--answers", default="abtest.jsonl", metavar="FILE", help="JSONL file every answer is appended to")
+    ab.add_argument("--auto", action="store_true", help="no window: an automatic rater picks the sharper clip")
+    ab.add_argument("--recording", default=None, metavar="REC",
+                    help="take the clips' actions from this recording's seeded episodes (default: random play)")
+    ab.add_argument("--checkpoint", default=None,
+                    help=f"neural checkpoint folder (default: {DEFAULT_CHECKPOINT} in the repository)")
+    ab.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
+    ab.add_argument("--seed", type=int, default=None, help="seed for clip order, play and sampling (default random)")
+    ab.add_argument("--scale", type=int, default=4, help="window scale")
+    ab.add_argument("--headless", action="store_true", help="dummy video driver (testing)")
+    ab.set_defaults(func=cmd_abtest)
     return p
 
 

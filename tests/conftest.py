@@ -56,3 +56,41 @@ def recorded(tmp_path, small_game_cfg):
                 acts.append(a)
                 frame = game.step(a)
     return path, frames, acts
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A real collected dataset: 1 game, 400 steps of sticky-random play, train and heldout splits."""
+    from training import collect
+
+    out = tmp_path_factory.mktemp("data") / "e1m1"
+    assert collect.main(["--steps", "400", "--out", str(out), "--workers", "1", "--episode-tics", "160",
+                         "--heldout", "0.3", "--seed", "3"]) == 0
+    return out
+
+
+TINY_DENOISER = dict(context=4, block_out_channels=(8, 16), attention_heads=2, cross_attention_dim=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_dataset, tmp_path_factory):
+    """A complete, tiny checkpoint built from scratch (untrained weights) on the tiny dataset."""
+    import numpy as np
+    import torch
+
+    from neuraldoom import autoencoder as AE
+    from neuraldoom.checkpoint import save_checkpoint
+    from neuraldoom.config import AutoencoderConfig, DenoiserConfig, SamplerConfig
+    from neuraldoom.denoiser import build_denoiser
+    from neuraldoom.recording import open_dataset
+
+    torch.manual_seed(0)
+    rec = open_dataset(tiny_dataset / "train")[0]
+    ae = AE.build_autoencoder(AutoencoderConfig(latent_channels=4, encoder_channels=8, decoder_channels=8))
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    den = build_denoiser(dcfg, 4, AE.latent_hw(ae, 120, 160))
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    frames = np.asarray(rec.frames[:4])
+    actions = np.concatenate([[[0, 3]], rec.actions[:3]])
+    save_checkpoint(path, ae, den, rec.game, dcfg, SamplerConfig(), frames, actions, {"test": True})
+    return path

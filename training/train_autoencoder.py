@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         if acc.is_main_process:
-            normalize_latents(raw, eval_frames[:128])
+            if not a.decoder_only:  # the frozen encoder keeps its latent statistics (the denoiser's inputs)
+                normalize_latents(raw, eval_frames[:128])
             save_model_dir(raw, out / "autoencoder")
             t, m = optimizer_tensors(opt)
             save_state(state_path, t, {**m, "step": step, "args": asdict(a)})

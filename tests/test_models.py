@@ -1,0 +1,212 @@
+"""The neural engine's parts: autoencoder, denoiser, sampler, checkpoint, engine, latent windows."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from neuraldoom import actions as A
+from neuraldoom import autoencoder as AE
+from neuraldoom.checkpoint import Checkpoint, CheckpointError
+from neuraldoom.config import AutoencoderConfig, DenoiserConfig
+from neuraldoom.denoiser import build_denoiser
+from neuraldoom.engine import NeuralEngine
+from neuraldoom.sampler import DDIMSampler, ddim_scheduler
+from tests.conftest import TINY_DENOISER
+
+TINY_AE = AutoencoderConfig(latent_channels=4, encoder_channels=8, decoder_channels=8)
+
+
+def test_pixels_round_trip_and_padding():
+    frames = np.random.default_rng(0).integers(0, 256, (3, 120, 160, 3), dtype=np.uint8)
+    x = AE.to_pixels(frames, 8)
+    assert x.shape == (3, 3, 128, 160)  # padded to 128 rows so a 3-level UNet can halve twice
+    assert x.min() >= -1 and x.max() <= 1
+    assert np.array_equal(AE.to_frames(x, 120, 160), frames)
+
+
+def test_autoencoder_shapes():
+    ae = AE.build_autoencoder(AutoencoderConfig())
+    assert AE.downsampling(ae) == 8
+    frames = np.zeros((2, 120, 160, 3), np.uint8)
+    z = AE.encode(ae, frames)
+    assert z.shape == (2, 16, 16, 20)
+    assert AE.decode(ae, z, 120, 160).shape == (2, 120, 160, 3)
+    with pytest.raises(ValueError, match="downsamples"):
+        AE.build_autoencoder(AutoencoderConfig(encoder_blocks=(1, 1, 1)))
+
+
+def test_autoencoder_overfits_one_batch(tiny_dataset):
+    from neuraldoom.recording import open_dataset
+
+    torch.manual_seed(0)
+    frames = np.asarray(open_dataset(tiny_dataset / "train")[0].frames[:4])
+    ae = AE.build_autoencoder(TINY_AE)
+    x = AE.to_pixels(frames, 8)
+    opt = torch.optim.Adam(ae.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        loss = (AE.decode_pixels(ae, AE.encode_pixels(ae, x)) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] / 5, (losses[0], losses[-1])
+
+
+def _batch(dcfg: DenoiserConfig, B: int = 2, C: int = 4):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(B, C, 16, 20, generator=g), torch.randint(0, 1000, (B,), generator=g),
+            torch.randn(B, dcfg.context, C, 16, 20, generator=g),
+            torch.randint(0, 4, (B, dcfg.context + 1, 2), generator=g), torch.randint(0, 10, (B,), generator=g))
+
+
+def test_denoiser_shapes_and_action_sensitivity():
+    torch.manual_seed(0)
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    d = build_denoiser(dcfg, 4, (16, 20)).eval()
+    x, t, ctx, codes, b = _batch(dcfg)
+    with torch.no_grad():
+        v = d(x, t, ctx, codes, b)
+        assert v.shape == x.shape
+        other = codes.clone()
+        other[:, -1, 0] ^= 1  # press/release MOVE_FORWARD on the current step
+        assert not torch.allclose(v, d(x, t, ctx, other, b))
+
+
+def test_action_tokens_are_sums_of_button_embeddings():
+    from neuraldoom.denoiser import ActionEncoder
+
+    enc = ActionEncoder(dim=8, length=3)
+    both = torch.tensor([[[1 | 16, A.NO_TURN]]])
+    fwd, att, none = (torch.tensor([[[b, A.NO_TURN]]]) for b in (1, 16, 0))
+    with torch.no_grad():
+        raw = lambda c: (c[..., :1] >> torch.arange(A.NUM_BUTTONS) & 1).float() @ enc.buttons  # noqa: E731
+        assert torch.allclose(raw(both), raw(fwd) + raw(att))
+        assert enc(both).shape == (1, 1, 8)
+        assert not torch.allclose(enc(both), enc(none))
+
+
+def test_denoiser_overfits_one_batch():
+    from diffusers import DDPMScheduler
+
+    from training.train_diffusion import diffusion_loss
+
+    torch.manual_seed(0)
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    d = build_denoiser(dcfg, 4, (16, 20))
+    sched = DDPMScheduler(beta_schedule="linear", prediction_type="v_prediction")
+    x, _, ctx, codes, _ = _batch(dcfg, B=4)
+    opt = torch.optim.Adam(d.parameters(), lr=2e-3)
+    losses = []
+    for _ in range(120):
+        g = torch.Generator().manual_seed(0)  # the same noise every step: one batch to memorise
+        loss = diffusion_loss(d, sched, (x, ctx, codes), dcfg, 0.0, g, torch.device("cpu"))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] / 5, (losses[0], losses[-1])
+
+
+def test_sampler_matches_diffusers_ddim_loop():
+    torch.manual_seed(0)
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    d = build_denoiser(dcfg, 4, (16, 20)).eval()
+    noise, _, ctx, codes, _ = _batch(dcfg, B=1)
+    with torch.no_grad():
+        ours = DDIMSampler(d, steps=4, cfg=1.0)(noise, ctx, codes)
+        sched = ddim_scheduler()
+        sched.set_timesteps(4)
+        assert [int(t) for t in sched.timesteps] == [999, 749, 499, 249]  # trailing spacing
+        x = noise
+        for t in sched.timesteps:
+            v = d(x, t.view(1), ctx, codes, torch.zeros(1, dtype=torch.long))
+            x = sched.step(v, t, x).prev_sample
+        assert torch.allclose(ours, x, atol=1e-4)
+        # CFG: w=1.5 extrapolates from the context-free prediction towards the conditional one
+        guided = DDIMSampler(d, steps=4, cfg=1.5)(noise, ctx, codes)
+        assert guided.shape == ours.shape and not torch.allclose(guided, ours)
+
+
+def test_checkpoint_round_trip_gives_identical_outputs(tiny_checkpoint):
+    a, b = Checkpoint(tiny_checkpoint), Checkpoint(tiny_checkpoint)
+    dcfg = a.denoiser_cfg
+    x, t, ctx, codes, bucket = _batch(dcfg)
+    with torch.no_grad():
+        assert torch.equal(a.denoiser(x, t, ctx, codes, bucket), b.denoiser(x, t, ctx, codes, bucket))
+    assert a.context_frames.shape == (dcfg.context, 120, 160, 3)
+
+
+@pytest.mark.parametrize("damage", ["missing_unet", "truncated", "bad_json", "wrong_context", "not_a_dir"])
+def test_bad_checkpoints_give_one_clear_line(tiny_checkpoint, tmp_path, damage):
+    p = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, p)
+    if damage == "missing_unet":
+        (p / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    elif damage == "truncated":
+        f = p / "unet" / "diffusion_pytorch_model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif damage == "bad_json":
+        (p / "config.json").write_text("{not json")
+    elif damage == "wrong_context":
+        import json
+
+        cfg = json.loads((p / "config.json").read_text())
+        cfg["denoiser"]["context"] = 7
+        (p / "config.json").write_text(json.dumps(cfg))
+    elif damage == "not_a_dir":
+        p = tmp_path / "nothing"
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(p)
+    assert "\n" not in str(e.value) and str(p) in str(e.value)
+
+
+def test_engine_protocol_ring_buffer_and_determinism(tiny_checkpoint):
+    ck = Checkpoint(tiny_checkpoint)
+    eng = NeuralEngine(ck, compile=False, seed=0)
+    f0 = eng.reset(5)
+    assert f0.shape == (120, 160, 3) and f0.dtype == np.uint8
+    acts = [A.Action.of("MOVE_FORWARD"), A.Action.of("ATTACK", turn=4.0), A.Action.of("USE"),
+            A.NOOP, A.Action.of("MOVE_LEFT"), A.Action.of("MOVE_RIGHT", turn=-8)]
+    frames = [eng.step(a) for a in acts]
+    assert all(f.shape == (120, 160, 3) and f.dtype == np.uint8 for f in frames)
+    # the ring holds the last N actions in order (N = 4: wrapped around)
+    assert A.decode(eng.actions.numpy()) == acts[-4:]
+    assert torch.equal(eng.z[-1], eng.z[-1])  # the newest latent is last
+    eng.reset(5)
+    again = [eng.step(a) for a in acts]
+    assert all(np.array_equal(x, y) for x, y in zip(frames, again, strict=True))
+    with pytest.raises(A.ActionError):
+        eng.step([1, 0, 0, 0, 0, 0, 0])
+
+
+def test_engine_set_context_pads_short_history(tiny_checkpoint, tiny_dataset):
+    from neuraldoom.recording import open_dataset
+
+    eng = NeuralEngine(Checkpoint(tiny_checkpoint), compile=False)
+    rec = open_dataset(tiny_dataset / "train")[0]
+    eng.set_context(np.asarray(rec.frames[:2]), rec.actions[:2])
+    assert eng.z.shape[0] == eng.n and torch.equal(eng.z[0], eng.z[1])  # padded by repeating the first
+    with pytest.raises(ValueError):
+        eng.set_context(np.asarray(rec.frames[:2]), rec.actions[:1])
+
+
+def test_latent_windows_respect_episode_starts():
+    from training.latents import LatentSet
+
+    z = torch.arange(10, dtype=torch.float16).view(10, 1, 1, 1)
+    acts = np.stack([np.arange(10), np.full(10, 3)], 1)
+    ep_start = np.array([0] * 4 + [4] * 6)
+    valid = np.ones(10, bool)
+    valid[[0, 4]] = False
+    ls = LatentSet(z, acts, ep_start, valid)
+    assert 0 not in ls.targets and 4 not in ls.targets
+    target, ctx, codes = ls.window(torch.tensor([6]), 3)
+    assert target.flatten().tolist() == [6]
+    assert ctx.flatten().tolist() == [4, 4, 5]  # padded with the episode's first frame
+    # token k = action that led to context frame k (NOOP at/before the start), last = current action
+    assert codes[0, :, 0].tolist() == [0, 0, 4, 5]

@@ -1,0 +1,63 @@
+"""Assemble a checkpoint to ship: the trained denoiser with a fine-tuned decoder swapped in.
+
+    python -m training.export --checkpoint runs/dm/checkpoint --autoencoder runs/aedec/autoencoder \
+        --out checkpoints/e1m1
+
+The denoiser was trained on the latents of one encoder, so the new autoencoder must carry exactly that
+encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderTiny
+
+from neuraldoom.checkpoint import Checkpoint, CheckpointError, load_model_dir, save_checkpoint
+from neuraldoom.config import parse_args
+
+MAX_MB = 60
+
+
+@dataclass(frozen=True)
+class Args:
+    checkpoint: str  # the trained checkpoint (e.g. runs/dm/checkpoint)
+    out: str
+    autoencoder: str = ""  # a decoder-fine-tuned autoencoder folder to swap in
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(Args, argv, __doc__)
+    try:
+        ck = Checkpoint(a.checkpoint)
+        ae = ck.ae
+        if a.autoencoder:
+            new = load_model_dir(AutoencoderTiny, a.autoencoder)
+            same = all(torch.equal(x, y) for x, y in zip(ck.ae.encoder.state_dict().values(),
+                                                         new.encoder.state_dict().values(), strict=True))
+            norm = (ck.ae.config.shift_factor, ck.ae.config.scaling_factor) == (new.config.shift_factor,
+                                                                                 new.config.scaling_factor)
+            if not (same and norm):
+                raise CheckpointError(f"{a.autoencoder} has another encoder or latent normalization than "
+                                      f"{a.checkpoint}: the denoiser's latents would not match")
+            ae = new
+    except CheckpointError as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
+    notes = dict(ck.config.get("notes", {}))
+    if a.autoencoder:
+        notes["decoder"] = str(a.autoencoder)
+    save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg, ck.context_frames,
+                    ck.context_actions, notes)
+    mb = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file()) / 2**20
+    print(f"export: {a.out} ({mb:.1f} MB)")
+    if mb > MAX_MB:
+        print(f"export: warning: over the {MAX_MB} MB limit for a shipped checkpoint", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
