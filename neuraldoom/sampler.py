@@ -42,7 +42,7 @@ class DDIMSampler(nn.Module):
         ts = [int(t) for t in sched.timesteps]
         prev = [a[t].item() for t in ts[1:]] + [sched.final_alpha_cumprod.item()]
         # (t, alpha_bar_t, alpha_bar_prev) per step, as Python constants baked into the graph
-        self.plan = [(t, a[t].item(), ap) for t, ap in zip(ts, prev)]
+        self.plan = [(t, a[t].item(), ap) for t, ap in zip(ts, prev, strict=True)]
 
     def forward(self, noise: torch.Tensor, context: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         x = noise

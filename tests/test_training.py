@@ -48,8 +48,8 @@ def test_decoder_only_keeps_the_encoder(tiny_ae, tiny_dataset, tmp_path):
                                    "--eval-every", "3", "--eval-frames", "4"]) == 0
     a = load_model_dir(AutoencoderTiny, tiny_ae / "autoencoder")
     b = load_model_dir(AutoencoderTiny, out / "autoencoder")
-    assert all(torch.equal(x, y) for x, y in zip(a.encoder.parameters(), b.encoder.parameters()))
-    assert not all(torch.equal(x, y) for x, y in zip(a.decoder.parameters(), b.decoder.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.encoder.parameters(), b.encoder.parameters(), strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a.decoder.parameters(), b.decoder.parameters(), strict=True))
 
 
 @pytest.fixture(scope="module")
