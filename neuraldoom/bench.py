@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for compiled in ([False] if a.no_compile else [False, True]):
         for cfg in (ckpt.sampler_cfg.cfg, 1.0):
             t0 = time.perf_counter()
-            eng = NeuralEngine(ckpt, compile=compiled, guidance=cfg)
+            eng = NeuralEngine(ckpt, compile=compiled, guidance=cfg, wait_compile=True)
             start = time.perf_counter() - t0
             r = time_engine(eng, a.frames)
             mode = "compiled" if eng.compiled else ("eager" if not compiled else "eager (compile failed)")

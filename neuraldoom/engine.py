@@ -8,6 +8,7 @@ starting context (real frames, encoded). Never imports pygame or ViZDoom.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +17,16 @@ import torch
 from . import autoencoder as AE
 from .actions import Action, ActionError
 from .checkpoint import Checkpoint
-from .sampler import DDIMSampler, compile_sampler
+from .sampler import DDIMSampler, build_in_background, build_package, example_inputs, load_package, package_path
 
 
 class NeuralEngine:
     """reset(seed) -> frame; step(action) -> frame (uint8 H x W x 3). `cfg` is the GameConfig it learned."""
 
     def __init__(self, ckpt: Checkpoint, compile: bool = True, steps: int | None = None,
-                 guidance: float | None = None, seed: int = 0) -> None:
+                 guidance: float | None = None, seed: int = 0, wait_compile: bool = False) -> None:
+        """compile: use the AOTInductor sampler — loaded from the cache, or built (in the background,
+        eager meanwhile; or right here with wait_compile) on first use."""
         self.ckpt = ckpt
         self.cfg = ckpt.game
         self.n = ckpt.denoiser_cfg.context
@@ -39,13 +42,30 @@ class NeuralEngine:
         self.latent_shape = tuple(self.start_z.shape[1:])
         self.gen = torch.Generator().manual_seed(seed)
         self.run = self.sampler
+        self._pending: Path | None = None
         if compile:
-            example = (torch.zeros(1, *self.latent_shape), self.start_z[None], torch.zeros(1, self.n + 1, 2,
-                                                                                          dtype=torch.long))
-            weights = [ckpt.path / d / "diffusion_pytorch_model.safetensors" for d in ("unet", "action_encoder")]
-            self.run = compile_sampler(self.sampler, example, weights) or self.sampler
-        self.compiled = self.run is not self.sampler
+            path = package_path(ckpt.path, steps, guidance)
+            if not path.exists():
+                if wait_compile:
+                    build_package(self.sampler, example_inputs(self.sampler, self.latent_shape), path)
+                else:
+                    print("neuraldoom: compiling the sampler for this machine in the background (once; "
+                          "eager until it is ready)", file=sys.stderr)
+                    self._builder = build_in_background(ckpt.path, steps, guidance)
+                    self._pending = path
+            if path.exists():
+                self.run = load_package(path) or self.sampler
         self.reset()
+
+    @property
+    def compiled(self) -> bool:
+        return self.run is not self.sampler
+
+    def _swap_in_compiled(self) -> None:
+        """Once the background build has landed in the cache, switch to it (checked with one stat a step)."""
+        if self._pending is not None and self._pending.exists():
+            self.run = load_package(self._pending) or self.sampler
+            self._pending = None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, compile: bool = True, **kw) -> NeuralEngine:
@@ -77,6 +97,7 @@ class NeuralEngine:
     def next_latent(self, action: Action) -> torch.Tensor:
         if not isinstance(action, Action):
             raise ActionError(f"step() takes an Action, got {type(action).__name__}")
+        self._swap_in_compiled()
         a = torch.tensor([[action.buttons, action.turn]])
         codes = torch.cat([self.actions, a])[None]  # (1, N+1, 2)
         noise = torch.randn((1, *self.latent_shape), generator=self.gen)

@@ -32,6 +32,7 @@ from .recording import Recording, RecordingError, write_mp4
 
 ENGINES = ("real", "neural", "both")
 UNDER_DB = 20.0
+CLIP_DB = 60.0  # the plot's ceiling
 GAP = 4  # black columns between the two halves of the video
 
 
@@ -76,7 +77,7 @@ def replay_steps(rec: Recording, engine: str, neural: Any = None, real: Any = No
         for t in range(s, e):
             k = t - s
             led = noop if k == 0 else acts[t - 1]  # the action that led to frame t
-            recorded = np.asarray(rec.frames[t])
+            recorded = np.array(rec.frames[t])  # a copy: memmaps are read-only
             if real is not None:
                 ref = (real.reset(seed) if k == 0 else real.step(_action(led))).copy()
                 if engine == "real":
@@ -222,7 +223,7 @@ def _plot(path: Path, rep: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    psnr = np.array(rep["psnr"])
+    psnr = np.minimum(np.array(rep["psnr"]), CLIP_DB)  # identical frames (~148 dB) would squash the scale
     steps = np.arange(len(psnr))
     gen = np.array(rep["generated"], bool)
     fig, ax = plt.subplots(figsize=(9, 3.5))
@@ -236,7 +237,7 @@ def _plot(path: Path, rep: dict[str, Any]) -> None:
         ax.axvline(s, color="green", lw=0.5, ls=":")
     mean = f", set PSNR {rep['mean_psnr']:.2f} dB" if rep["mean_psnr"] is not None else ""
     resync = f", re-sync every {rep['resync_every']}" if rep["resync_every"] else ""
-    ax.set(xlabel="step (recording row)", ylabel="PSNR (dB)",
+    ax.set(xlabel="step (recording row)", ylabel=f"PSNR (dB, identical frames drawn at {CLIP_DB:g})",
            title=f"{Path(rep['recording']).name}: {rep['engine']}{resync}{mean}")
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()

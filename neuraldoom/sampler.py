@@ -2,9 +2,10 @@
 classifier-free guidance on the past frames only (the unconditional pass drops the context, keeps the
 actions), both passes in one batch-2 call.
 
-The whole loop is one module so it compiles to one graph. `compile_sampler` builds an AOTInductor
-package once (~1 min), caches it per checkpoint, sampler settings, torch version and CPU, and loads it
-in ~2 s afterwards; `torch.compile` with freezing would recompile (~30 s) at every start (DESIGN.md §4).
+The whole loop is one module so it compiles to one graph: an AOTInductor package, built once per
+checkpoint, sampler settings, torch version and CPU (~1 min on a quiet 2-core machine, several on a busy
+one), cached, and loaded in ~2 s afterwards; `torch.compile` with freezing would recompile (~30 s) at
+every start (DESIGN.md §4). The first build runs in a background process so play starts at once, eager.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,36 +72,68 @@ def cache_dir() -> Path:
     return Path(base) / "aoti"
 
 
-def package_key(weights: list[Path], steps: int, cfg: float, shapes: tuple) -> str:
+def package_path(checkpoint: Path, steps: int, cfg: float) -> Path:
+    """Where the compiled sampler of a checkpoint lives: keyed by its weights, the sampler settings,
+    torch, the CPU and the thread count (the package is machine-specific; never commit it)."""
     h = hashlib.sha256()
-    for w in weights:
-        h.update(w.read_bytes())
-    h.update(repr((steps, cfg, shapes, torch.__version__, platform.machine(),
-                   torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())).encode())
-    return h.hexdigest()[:20]
+    for d in ("unet", "action_encoder", "autoencoder"):
+        h.update((checkpoint / d / "diffusion_pytorch_model.safetensors").read_bytes())
+    h.update(repr((steps, cfg, torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
+                   torch.get_num_threads())).encode())
+    return cache_dir() / f"sampler-{h.hexdigest()[:20]}.pt2"
 
 
-def compile_sampler(sampler: DDIMSampler, example: tuple[torch.Tensor, ...], weights: list[Path],
-                    log=print) -> nn.Module | None:
-    """The sampler as a cached AOTInductor package, or None (with one line of why) if that fails."""
+def example_inputs(sampler: DDIMSampler, latent_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    n = sampler.denoiser.context
+    return (torch.zeros(1, *latent_shape), torch.zeros(1, n, *latent_shape),
+            torch.zeros(1, n + 1, 2, dtype=torch.long))
+
+
+def build_package(sampler: DDIMSampler, example: tuple[torch.Tensor, ...], path: Path) -> None:
+    """torch.export -> AOTInductor (freezing: weights folded in as constants) -> atomically into the cache."""
+    import torch._inductor
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        ep = torch.export.export(sampler.eval(), example, strict=False)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs={"freezing": True})
+    os.replace(tmp, path)
+
+
+def load_package(path: Path) -> nn.Module | None:
     try:
         import torch._inductor
 
-        shapes = tuple(tuple(x.shape) for x in example)
-        path = cache_dir() / f"sampler-{package_key(weights, len(sampler.plan), sampler.cfg, shapes)}.pt2"
-        if not path.exists():
-            log(f"neuraldoom: compiling the sampler once for this machine (about a minute); cached in {path.parent}")
-            t0 = time.time()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with torch.no_grad():
-                ep = torch.export.export(sampler.eval(), example, strict=False)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-                torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
-                                                         inductor_configs={"freezing": True})
-            os.replace(tmp, path)
-            log(f"neuraldoom: compiled in {time.time() - t0:.0f}s")
         return torch._inductor.aoti_load_package(str(path))
-    except Exception as e:  # any compiler/toolchain failure falls back to eager, never stops play
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"neuraldoom: compile failed, running eager ({type(e).__name__}: {msg[:200]})", file=sys.stderr)
+    except Exception as e:  # a stale or foreign package: fall back to eager, never stop play
+        print(f"neuraldoom: cannot load the compiled sampler {path.name} ({type(e).__name__}); running eager",
+              file=sys.stderr)
         return None
+
+
+def build_in_background(checkpoint: Path, steps: int, cfg: float) -> subprocess.Popen:
+    """Compile in a separate process (play goes on eagerly meanwhile); the result lands in the cache."""
+    cmd = [sys.executable, "-m", "neuraldoom.sampler", str(checkpoint), str(steps), str(cfg),
+           str(torch.get_num_threads())]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def _main(argv: list[str]) -> int:
+    """python -m neuraldoom.sampler CHECKPOINT STEPS CFG THREADS: build the compiled sampler into the cache."""
+    from . import autoencoder as AE
+    from .checkpoint import Checkpoint
+
+    ckpt_dir, steps, cfg, threads = Path(argv[0]), int(argv[1]), float(argv[2]), int(argv[3])
+    torch.set_num_threads(threads)
+    ck = Checkpoint(ckpt_dir)
+    sampler = DDIMSampler(ck.denoiser, steps, cfg)
+    shape = (ck.ae.config.latent_channels, *AE.latent_hw(ck.ae, ck.game.height, ck.game.width))
+    t0 = time.time()
+    build_package(sampler, example_inputs(sampler, shape), package_path(ckpt_dir, steps, cfg))
+    print(f"neuraldoom: compiled the sampler in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -33,6 +33,7 @@ from .client import (
     check_record_path,
 )
 from .lockstep import Lockstep, Tick
+from .metrics import hud_top
 from .recording import RecordingWriter
 
 LAYOUTS = ("both", "real", "neural")
@@ -187,7 +188,7 @@ def run(pair: Lockstep, opts: ClientOptions = ClientOptions(),
                     img = _shadowed(font, line)
                     screen.blit(img, (4, y))
                     y += img.get_height()
-                _sparkline(pygame, screen, list(spark), screen.get_width(), screen.get_height(), s)
+                _sparkline(pygame, screen, list(spark), screen.get_width(), hud_top(H) * s, s)
             pygame.display.flip()
             fps_timer.tick(time.perf_counter())
             # -- pace -------------------------------------------------------------------------
@@ -228,13 +229,13 @@ def _set_mode(pygame: Any, layout: str, W: int, H: int, s: int) -> Any:
     return pygame.display.set_mode((w, H * s))
 
 
-def _sparkline(pygame: Any, screen: Any, values: list[float], width: int, height: int, s: int,
+def _sparkline(pygame: Any, screen: Any, values: list[float], width: int, bottom: int, s: int,
                lo: float = 10.0, hi: float = 40.0) -> None:
-    """PSNR over the last seconds, bottom-left, with a 20 dB guide line."""
+    """PSNR over the last seconds (10-40 dB), bottom-left above the status bar, with a 20 dB guide line."""
     if len(values) < 2:
         return
     w, h = min(width // 3, 60 * s), 10 * s
-    x0, y0 = 4, height - h - 4 - 8 * s  # above the status bar
+    x0, y0 = 4, bottom - h - 4
     box = pygame.Surface((w, h), pygame.SRCALPHA)
     box.fill((0, 0, 0, 140))
     screen.blit(box, (x0, y0))

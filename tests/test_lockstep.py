@@ -40,6 +40,31 @@ def real_frames(cfg, seed, actions):
     return np.stack(out)
 
 
+def _reference_ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Textbook SSIM: a full 2-D 11x11 Gaussian window in float64, per channel."""
+    import torch
+    import torch.nn.functional as F
+
+    g = np.exp(-((np.arange(11) - 5) ** 2) / (2 * 1.5**2))
+    w = torch.as_tensor(np.outer(g, g) / np.outer(g, g).sum())[None, None].repeat(3, 1, 1, 1)
+    x = torch.as_tensor(a.reshape(-1, *a.shape[-3:])).permute(0, 3, 1, 2).double()
+    y = torch.as_tensor(b.reshape(-1, *b.shape[-3:])).permute(0, 3, 1, 2).double()
+    mx, my = F.conv2d(x, w, groups=3), F.conv2d(y, w, groups=3)
+    sxx, syy = F.conv2d(x * x, w, groups=3) - mx**2, F.conv2d(y * y, w, groups=3) - my**2
+    sxy = F.conv2d(x * y, w, groups=3) - mx * my
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    return float((((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx**2 + my**2 + c1) * (sxx + syy + c2))).mean())
+
+
+def test_ssim_matches_the_textbook_definition():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    b = np.clip(a.astype(int) + rng.integers(-40, 40, a.shape), 0, 255).astype(np.uint8)
+    for x, y in ((a, b), (a, (a // 2 + 60).astype(np.uint8)), (a, a), (np.stack([a, b]), np.stack([b, b]))):
+        assert M.ssim(x, y) == pytest.approx(_reference_ssim(x, y), abs=1e-5)
+    assert M.ssim(a, a) == pytest.approx(1.0)
+
+
 def test_both_engines_get_the_same_actions(pair):
     seen: dict[str, list[A.Action]] = {"real": [], "neural": []}
     for name, eng in (("real", pair.real), ("neural", pair.neural)):
@@ -62,14 +87,15 @@ def test_both_engines_get_the_same_actions(pair):
     for t in ticks:
         assert t.neural.shape == t.real.shape and t.neural.dtype == np.uint8
         assert t.psnr == pytest.approx(M.psnr(t.neural, t.real))
-        assert t.ssim == pytest.approx(M.ssim(t.neural, t.real))
+        assert t.ssim == pytest.approx(M.ssim(t.neural, t.real), abs=1e-6)
 
 
 def test_reset_fills_the_neural_context_with_the_encoded_real_frames(pair, ckpt):
     tick = pair.reset(7)
     n = pair.n
     ref = real_frames(pair.real.cfg, 7, [A.NOOP] * (n - 1))
-    assert np.array_equal(tick.real, ref[-1]) and np.array_equal(tick.neural, ref[-1]) and tick.psnr == M.psnr(ref[-1], ref[-1])
+    assert np.array_equal(tick.real, ref[-1]) and np.array_equal(tick.neural, ref[-1])
+    assert tick.psnr == M.psnr(ref[-1], ref[-1])
     torch.testing.assert_close(pair.neural.z, AE.encode(ckpt.ae, ref))
     noop = [A.NOOP.buttons, A.NOOP.turn]
     assert pair.neural.actions.tolist() == [noop] * n
@@ -103,7 +129,7 @@ def test_side_by_side_window_headless_records_a_replayable_session(pair, tmp_pat
         return pygame.event.Event(pygame.KEYDOWN, key=k, mod=0)
 
     script = {3: [post(pygame.K_r)], 5: [post(pygame.K_l)], 6: [post(pygame.K_TAB)], 7: [post(pygame.K_l)]}
-    for i in range(8, 12):  # single-step the rest: paused, one tick per N
+    for i in range(8, 13):  # single-step the rest (ticks 9..13): paused, one tick per N
         script[i] = [post(pygame.K_n)]
     ticks = []
 

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(a.seed)
     n = ckpt.denoiser_cfg.context
     H, W = ckpt.game.height, ckpt.game.width
-    eng = NeuralEngine(ckpt, compile=a.compile, seed=a.seed)
-    eng1 = NeuralEngine(ckpt, compile=a.compile, guidance=1.0, seed=a.seed)
+    eng = NeuralEngine(ckpt, compile=a.compile, seed=a.seed, wait_compile=True)
+    eng1 = NeuralEngine(ckpt, compile=a.compile, guidance=1.0, seed=a.seed, wait_compile=True)
 
     # mean-frame baseline: the average training frame
     pool = [r.frames[i] for r in train if len(r) for i in np.linspace(0, len(r) - 1, 200).astype(int)]
