@@ -221,6 +221,7 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None,
                    help=f"neural checkpoint folder (default: {DEFAULT_CHECKPOINT} in the repository)")
     p.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
+    p.add_argument("--threads", type=int, default=1, help="neural engine: torch threads (see DESIGN.md §4)")
     p.add_argument("--seed", type=int, default=None, help="first episode's seed; each new episode takes the next")
     p.add_argument("--record", default=None, metavar="DIR", help="save the session as a recording in DIR")
     p.add_argument("--headless", action="store_true", help="no window, no pacing: run --frames steps, print timings")
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--checkpoint", default=None,
                      help=f"neural checkpoint folder (default: {DEFAULT_CHECKPOINT} in the repository)")
     rep.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
+    rep.add_argument("--threads", type=int, default=1, help="neural engine: torch threads")
     rep.add_argument("--warmup", type=int, default=1,
                      help="frames of each episode given to the neural engine as context (padded to its length)")
     rep.add_argument("--resync-every", type=int, default=0, metavar="N",
@@ -286,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--checkpoint", default=None,
                     help=f"neural checkpoint folder (default: {DEFAULT_CHECKPOINT} in the repository)")
     ab.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
+    ab.add_argument("--threads", type=int, default=1, help="neural engine: torch threads")
     ab.add_argument("--seed", type=int, default=None, help="seed for clip order, play and sampling (default random)")
     ab.add_argument("--scale", type=int, default=4, help="window scale")
     ab.add_argument("--headless", action="store_true", help="dummy video driver (testing)")
@@ -296,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
+        if getattr(a, "threads", None) and getattr(a, "engine", "neural") != "real":
+            import torch  # only the neural engine pays for importing torch
+
+            torch.set_num_threads(a.threads)
         return int(a.func(a))
     except KeyboardInterrupt:
         return 130
