@@ -61,18 +61,23 @@ def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save_model_dir(model: Any, path: str | Path) -> None:
-    """save_pretrained into a temp folder, then swap it in, so a kill never leaves half a model."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Replace folder `path` by the finished folder `tmp` (the old one is moved aside, then removed)."""
     old = path.with_name(path.name + ".old")
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model_dir(model: Any, path: str | Path) -> None:
+    """save_pretrained into a temp folder, then swap it in, so a kill never leaves half a model."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    _swap_in(tmp, path)
 
 
 def load_model_dir(cls: Any, path: str | Path) -> Any:
@@ -130,12 +135,7 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
         "notes": notes or {},
     }
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    _swap_in(tmp, path)
 
 
 class Checkpoint:

@@ -109,6 +109,17 @@ class _Timer:
         return (len(self.times) - 1) / max(self.times[-1] - self.times[0], 1e-9)
 
 
+def input_source(opts: ClientOptions, frame_skip: int) -> Any:
+    """The keyboard and mouse, or scripted sticky-random play."""
+    from . import controls
+
+    if opts.input == "random":
+        return controls.RandomInput(opts.seed)
+    if opts.input == "keyboard":
+        return controls.KeyboardMouse(frame_skip, opts.sensitivity)
+    raise ClientError(f"unknown input {opts.input!r}; use keyboard or random")
+
+
 def run(engine: Engine, opts: ClientOptions = ClientOptions(),
         on_step: Callable[[int, Action, np.ndarray], None] | None = None) -> dict[str, Any]:
     """Play `engine` in a window (or headless) until quit or `opts.frames` steps; return run stats.
@@ -126,12 +137,7 @@ def run(engine: Engine, opts: ClientOptions = ClientOptions(),
     from . import controls
 
     cfg = engine.cfg
-    if opts.input == "random":
-        source: controls.KeyboardMouse | controls.RandomInput = controls.RandomInput(opts.seed)
-    elif opts.input == "keyboard":
-        source = controls.KeyboardMouse(cfg.frame_skip, opts.sensitivity)
-    else:
-        raise ClientError(f"unknown input {opts.input!r}; use keyboard or random")
+    source = input_source(opts, cfg.frame_skip)
     period = 0.0
     if not (opts.headless or opts.uncapped):
         period = 1.0 / (opts.fps or TICS_PER_SECOND / cfg.frame_skip)

@@ -24,13 +24,13 @@ import numpy as np
 from .actions import Action
 from .client import (
     TICS_PER_SECOND,
-    ClientError,
     ClientOptions,
     _capture_mouse,
     _shadowed,
     _Timer,
     check_display,
     check_record_path,
+    input_source,
 )
 from .lockstep import Lockstep, Tick
 from .metrics import hud_top
@@ -65,12 +65,7 @@ def run(pair: Lockstep, opts: ClientOptions = ClientOptions(),
     from . import controls
 
     cfg = pair.cfg
-    if opts.input == "random":
-        source: controls.KeyboardMouse | controls.RandomInput = controls.RandomInput(opts.seed)
-    elif opts.input == "keyboard":
-        source = controls.KeyboardMouse(cfg.frame_skip, opts.sensitivity)
-    else:
-        raise ClientError(f"unknown input {opts.input!r}; use keyboard or random")
+    source = input_source(opts, cfg.frame_skip)
     rate = opts.fps or TICS_PER_SECOND / cfg.frame_skip
     period = 0.0 if (opts.headless or opts.uncapped) else 1.0 / rate
     seed = opts.seed if opts.seed is not None else int(np.random.default_rng().integers(2**31 - 1))
