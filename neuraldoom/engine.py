@@ -15,9 +15,17 @@ import numpy as np
 import torch
 
 from . import autoencoder as AE
-from .actions import Action, ActionError
+from .actions import NOOP, Action, ActionError
 from .checkpoint import Checkpoint
-from .sampler import DDIMSampler, build_in_background, build_package, example_inputs, load_package, package_path
+from .sampler import (
+    DDIMSampler,
+    build_in_background,
+    build_package,
+    cache_dir,
+    example_inputs,
+    load_package,
+    package_path,
+)
 
 
 class NeuralEngine:
@@ -63,8 +71,14 @@ class NeuralEngine:
 
     def _swap_in_compiled(self) -> None:
         """Once the background build has landed in the cache, switch to it (checked with one stat a step)."""
-        if self._pending is not None and self._pending.exists():
+        if self._pending is None:
+            return
+        if self._pending.exists():
             self.run = load_package(self._pending) or self.sampler
+            self._pending = None
+        elif self._builder.poll() not in (None, 0):  # the build failed (no compiler?): stay eager
+            print(f"neuraldoom: compiling the sampler failed; staying eager (see {cache_dir() / 'build.log'})",
+                  file=sys.stderr)
             self._pending = None
 
     @classmethod
@@ -81,7 +95,7 @@ class NeuralEngine:
         if len(z) < self.n:
             pad = self.n - len(z)
             z = torch.cat([z[:1].expand(pad, -1, -1, -1), z])
-            a = torch.cat([torch.tensor([[0, self.start_actions[0, 1].item()]]).expand(pad, -1), a])
+            a = torch.cat([torch.tensor([[NOOP.buttons, NOOP.turn]]).expand(pad, -1), a])
         self.z, self.actions = z[-self.n:].clone(), a[-self.n:].clone()
         self.frame = np.asarray(frames[-1])
 

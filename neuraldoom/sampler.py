@@ -116,7 +116,9 @@ def build_in_background(checkpoint: Path, steps: int, cfg: float) -> subprocess.
     """Compile in a separate process (play goes on eagerly meanwhile); the result lands in the cache."""
     cmd = [sys.executable, "-m", "neuraldoom.sampler", str(checkpoint), str(steps), str(cfg),
            str(torch.get_num_threads())]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    log = open(cache_dir() / "build.log", "ab")  # a failed build explains itself here, not over the game
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
 
 
 def _main(argv: list[str]) -> int:
