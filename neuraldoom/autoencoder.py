@@ -93,7 +93,7 @@ def encode(ae: AutoencoderTiny, frames: np.ndarray, batch: int = 64) -> torch.Te
     f = downsampling(ae)
     out = [encode_pixels(ae, to_pixels(frames[i:i + batch], f).to(ae.dtype)).float()
            for i in range(0, len(frames), batch)]
-    return torch.cat(out) if out else torch.zeros(0)
+    return torch.cat(out).contiguous() if out else torch.zeros(0)
 
 
 @torch.no_grad()

@@ -115,7 +115,8 @@ class NeuralEngine:
         a = torch.tensor([[action.buttons, action.turn]])
         codes = torch.cat([self.actions, a])[None]  # (1, N+1, 2)
         noise = torch.randn((1, *self.latent_shape), generator=self.gen)
-        z = self.run(noise, self.z[None], codes)  # (1, C, h, w)
+        # contiguous: the compiled package assumes its inputs' strides; the encoder returns channels_last
+        z = self.run(noise, self.z[None].contiguous(), codes).contiguous()  # (1, C, h, w)
         self.z = torch.cat([self.z[1:], z])
         self.actions = torch.cat([self.actions[1:], a])
         return z

@@ -78,15 +78,16 @@ def package_path(checkpoint: Path, steps: int, cfg: float) -> Path:
     h = hashlib.sha256()
     for d in ("unet", "action_encoder", "autoencoder"):
         h.update((checkpoint / d / "diffusion_pytorch_model.safetensors").read_bytes())
-    h.update(repr((steps, cfg, torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
+    h.update(repr(("v3", steps, cfg, torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
                    torch.get_num_threads())).encode())
     return cache_dir() / f"sampler-{h.hexdigest()[:20]}.pt2"
 
 
 def example_inputs(sampler: DDIMSampler, latent_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     n = sampler.denoiser.context
-    return (torch.zeros(1, *latent_shape), torch.zeros(1, n, *latent_shape),
-            torch.zeros(1, n + 1, 2, dtype=torch.long))
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, *latent_shape, generator=g), torch.randn(1, n, *latent_shape, generator=g),
+            torch.randint(0, 7, (1, n + 1, 2), generator=g))
 
 
 def build_package(sampler: DDIMSampler, example: tuple[torch.Tensor, ...], path: Path) -> None:

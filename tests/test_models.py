@@ -210,3 +210,20 @@ def test_latent_windows_respect_episode_starts():
     assert ctx.flatten().tolist() == [4, 4, 5]  # padded with the episode's first frame
     # token k = action that led to context frame k (NOOP at/before the start), last = current action
     assert codes[0, :, 0].tolist() == [0, 0, 4, 5]
+
+
+def test_engine_feeds_the_sampler_contiguous_tensors(tiny_checkpoint):
+    # a compiled (AOTInductor) sampler assumes its example inputs' strides; the encoder returns
+    # channels_last latents, which a compiled package silently misreads
+    eng = NeuralEngine(Checkpoint(tiny_checkpoint), compile=False)
+    seen = []
+
+    def spy(noise, ctx, codes):
+        seen.append(all(t.is_contiguous() for t in (noise, ctx, codes)))
+        return eng.sampler(noise, ctx, codes)
+
+    eng.run = spy
+    eng.z = eng.z.to(memory_format=torch.channels_last)
+    eng.step(A.NOOP)
+    eng.step(A.Action.of("MOVE_FORWARD"))
+    assert seen == [True, True]
