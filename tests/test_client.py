@@ -173,3 +173,14 @@ def test_export_command(recorded, tmp_path, capsys):
     out = tmp_path / "out.mp4"
     assert cli.main(["export", str(recorded[0]), str(out)]) == 0
     assert out.stat().st_size > 1000 and "70 frames" in capsys.readouterr().out
+
+
+def test_client_plays_the_neural_engine_headless(tiny_checkpoint, tmp_path, capsys):
+    from neuraldoom.cli import main
+    from neuraldoom.recording import Recording
+
+    rec = tmp_path / "neural_session"
+    assert main(["play", "--checkpoint", str(tiny_checkpoint), "--no-compile", "--headless", "--frames", "5",
+                 "--input", "random", "--record", str(rec)]) == 0
+    r = Recording(rec)
+    assert len(r) == 5 and r.meta["engine"] == "neural" and r.frames.shape[1:] == (120, 160, 3)
