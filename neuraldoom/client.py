@@ -109,6 +109,14 @@ class _Timer:
         return (len(self.times) - 1) / max(self.times[-1] - self.times[0], 1e-9)
 
 
+def save_screenshot(pygame: Any, screen: Any, prefix: str, step: int) -> Path:
+    """F12: the window as a PNG in the current folder."""
+    shot = Path(f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{step}.png")
+    pygame.image.save(screen, str(shot))
+    print(f"neuraldoom: screenshot {shot}", file=sys.stderr)
+    return shot
+
+
 def input_source(opts: ClientOptions, frame_skip: int) -> Any:
     """The keyboard and mouse, or scripted sticky-random play."""
     from . import controls
@@ -185,9 +193,7 @@ def run(engine: Engine, opts: ClientOptions = ClientOptions(),
                 elif cmd == controls.PAUSE:
                     paused = not paused
                 elif cmd == controls.SCREENSHOT:
-                    shot = Path(f"neuraldoom-{time.strftime('%Y%m%d-%H%M%S')}-{stats['steps']}.png")
-                    pygame.image.save(screen, str(shot))
-                    print(f"neuraldoom: screenshot {shot}", file=sys.stderr)
+                    save_screenshot(pygame, screen, "neuraldoom", stats["steps"])
                 elif cmd == controls.MOUSE and keyboard and not opts.headless:
                     captured = not captured
                     _capture_mouse(pygame, captured)

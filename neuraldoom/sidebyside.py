@@ -12,11 +12,9 @@ Reuses the play client's input sources, pacing and drawing helpers; `client.py` 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +29,7 @@ from .client import (
     check_display,
     check_record_path,
     input_source,
+    save_screenshot,
 )
 from .lockstep import Lockstep, Tick
 from .metrics import hud_top
@@ -133,9 +132,7 @@ def run(pair: Lockstep, opts: ClientOptions = ClientOptions(),
                     screen = _set_mode(pygame, layout, W, H, s)
                     small = pygame.Surface((W, H), 0, screen)
                 elif cmd == controls.SCREENSHOT:
-                    shot = Path(f"neuraldoom-sbs-{time.strftime('%Y%m%d-%H%M%S')}-{stats['steps']}.png")
-                    pygame.image.save(screen, str(shot))
-                    print(f"neuraldoom: screenshot {shot}", file=sys.stderr)
+                    save_screenshot(pygame, screen, "neuraldoom-sbs", stats["steps"])
                 elif cmd == controls.MOUSE and keyboard and not opts.headless:
                     captured = not captured
                     _capture_mouse(pygame, captured)
