@@ -91,7 +91,7 @@ def decode_pixels(ae: AutoencoderTiny, z: torch.Tensor) -> torch.Tensor:
 def encode(ae: AutoencoderTiny, frames: np.ndarray, batch: int = 64) -> torch.Tensor:
     """uint8 frames (B, H, W, 3) -> normalized latents (B, C, h, w), float32."""
     f = downsampling(ae)
-    out = [encode_pixels(ae, to_pixels(frames[i:i + batch], f).to(ae.dtype)).float()
+    out = [encode_pixels(ae, to_pixels(frames[i:i + batch], f).to(ae.device, ae.dtype)).float().cpu()
            for i in range(0, len(frames), batch)]
     return torch.cat(out).contiguous() if out else torch.zeros(0)
 
@@ -99,4 +99,4 @@ def encode(ae: AutoencoderTiny, frames: np.ndarray, batch: int = 64) -> torch.Te
 @torch.no_grad()
 def decode(ae: AutoencoderTiny, z: torch.Tensor, height: int, width: int) -> np.ndarray:
     """Normalized latents (B, C, h, w) -> uint8 frames (B, H, W, 3)."""
-    return to_frames(decode_pixels(ae, z), height, width)
+    return to_frames(decode_pixels(ae, z.to(ae.device)).cpu(), height, width)

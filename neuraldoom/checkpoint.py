@@ -42,23 +42,27 @@ def load_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
         raise CheckpointError(f"corrupt or truncated file {path}: {e}") from None
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Flatten an optimizer state_dict into tensors + JSON (param_groups)."""
+def optimizer_tensors(opt: torch.optim.Optimizer, prefix: str = "opt") -> tuple[dict[str, torch.Tensor],
+                                                                                 dict[str, Any]]:
+    """Flatten an optimizer state_dict into tensors (keys PREFIX.idx.name) + JSON (param_groups)."""
     sd = opt.state_dict()
     tensors = {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
-            tensors[f"opt.{idx}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+            tensors[f"{prefix}.{idx}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
     return tensors, {"param_groups": sd["param_groups"]}
 
 
-def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                   prefix: str = "opt") -> None:
+    """The inverse of optimizer_tensors; a second optimizer's param_groups live in meta[PREFIX_param_groups]."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():
-        if k.startswith("opt."):
+        if k.startswith(prefix + "."):
             _, idx, name = k.split(".", 2)
             state.setdefault(int(idx), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    groups = meta["param_groups"] if prefix == "opt" else meta[f"{prefix}_param_groups"]
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
@@ -146,7 +150,7 @@ class Checkpoint:
 
         from . import actions as A
         from .config import DenoiserConfig, GameConfig, SamplerConfig, from_dict
-        from .denoiser import ActionEncoder, Denoiser
+        from .denoiser import ActionEncoder, Denoiser, frames_read
 
         self.path = Path(path)
         if not self.path.is_dir():
@@ -168,7 +172,7 @@ class Checkpoint:
         self.ae = load_model_dir(AutoencoderTiny, self.path / "autoencoder").eval()
         unet = load_model_dir(UNet2DConditionModel, self.path / "unet")
         enc = load_model_dir(ActionEncoder, self.path / "action_encoder")
-        self.denoiser = Denoiser(unet, enc).eval()
+        self.denoiser = Denoiser(unet, enc, self.denoiser_cfg).eval()
         ctx, _ = load_state(self.path / "context.safetensors")
         if "frames" not in ctx or "actions" not in ctx:
             raise CheckpointError(f"{self.path / 'context.safetensors'} lacks frames/actions")
@@ -180,6 +184,8 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.path / 'context.safetensors'}: frames {tuple(self.context_frames.shape)} / actions "
                 f"{tuple(self.context_actions.shape)} do not match context {n} at {W}x{H}")
-        if unet.config.in_channels != self.ae.config.latent_channels * (n + 1):
+        k = frames_read(self.denoiser_cfg)
+        want = self.ae.config.latent_channels * (k + 1)
+        if unet.config.in_channels != want:
             raise CheckpointError(f"{self.path}: unet/ expects {unet.config.in_channels} input channels, "
-                                  f"autoencoder/ and context {n} give {self.ae.config.latent_channels * (n + 1)}")
+                                  f"autoencoder/ and {k} context frames give {want}")

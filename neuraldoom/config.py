@@ -45,7 +45,10 @@ class AutoencoderConfig:
 
 @dataclass(frozen=True)
 class DenoiserConfig:
-    context: int = 64  # N past frames (and N+1 actions); only conv_in sees the frames
+    context: int = 64  # N past frames (and N+1 actions) in the engine's ring
+    reads: int = 0  # how many of the newest ring frames conv_in reads (0 = all N); the actions stay N+1
+    target: str = "frame"  # "frame": diffuse the next latent; "delta": its change from the last seen frame
+    delta_scale: float = 1.0  # std of latent changes, measured on the data ("delta" target only)
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

@@ -38,11 +38,15 @@ class ActionEncoder(ModelMixin, ConfigMixin):
         return self.norm(tok + self.position[-codes.shape[1]:])
 
 
+def frames_read(cfg: DenoiserConfig) -> int:
+    return cfg.reads or cfg.context
+
+
 def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:
     n = len(cfg.block_out_channels)
     return UNet2DConditionModel(
         sample_size=latent_hw,
-        in_channels=latent_channels * (cfg.context + 1),
+        in_channels=latent_channels * (frames_read(cfg) + 1),
         out_channels=latent_channels,
         down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (n - 1),
         up_block_types=("CrossAttnUpBlock2D",) * (n - 1) + ("UpBlock2D",),
@@ -60,10 +64,24 @@ def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, 
 class Denoiser(nn.Module):
     """UNet + action encoder. Predicts v (v-prediction) for the next frame's latent."""
 
-    def __init__(self, unet: UNet2DConditionModel, action_encoder: ActionEncoder) -> None:
+    def __init__(self, unet: UNet2DConditionModel, action_encoder: ActionEncoder,
+                 cfg: DenoiserConfig | None = None) -> None:
         super().__init__()
         self.unet = unet
         self.action_encoder = action_encoder
+        cfg = cfg or DenoiserConfig(context=action_encoder.config.length - 1)
+        self.reads = frames_read(cfg)
+        self.delta = cfg.target == "delta"
+        self.delta_scale = float(cfg.delta_scale)
+
+    # The diffused variable. "delta" predicts the change from the last context frame as the model saw it
+    # (noise-augmented in training), so an unsure model falls back to holding that frame, not to the
+    # dataset's mean frame; the reference is the conditional context's, also for the unguided pass.
+    def to_target(self, z: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return (z - last) / self.delta_scale if self.delta else z
+
+    def from_target(self, y: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return last + self.delta_scale * y if self.delta else y
 
     @property
     def context(self) -> int:
@@ -72,11 +90,11 @@ class Denoiser(nn.Module):
     def forward(self, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor, actions: torch.Tensor,
                 bucket: torch.Tensor) -> torch.Tensor:
         # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int
-        x = torch.cat([noisy, context.flatten(1, 2)], 1)  # (B, C*(N+1), h, w)
+        x = torch.cat([noisy, context[:, -self.reads:].flatten(1, 2)], 1)  # (B, C*(reads+1), h, w)
         tokens = self.action_encoder(actions)  # (B, N+1, D)
         return self.unet(x, t, encoder_hidden_states=tokens, class_labels=bucket, return_dict=False)[0]
 
 
 def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> Denoiser:
     return Denoiser(build_unet(cfg, latent_channels, latent_hw),
-                    ActionEncoder(cfg.cross_attention_dim, cfg.context + 1))
+                    ActionEncoder(cfg.cross_attention_dim, cfg.context + 1), cfg)

@@ -48,6 +48,7 @@ class DDIMSampler(nn.Module):
 
     def forward(self, noise: torch.Tensor, context: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         x = noise
+        last = context[:, -1]  # (1, C, h, w): the reference of a "delta" target
         guided = self.cfg != 1.0
         if guided:  # row 0: with the past frames; row 1: without (dropped context, same actions)
             context = torch.cat([context, torch.zeros_like(context)])
@@ -63,7 +64,7 @@ class DDIMSampler(nn.Module):
             x0 = at**0.5 * x - (1 - at) ** 0.5 * v
             eps = at**0.5 * v + (1 - at) ** 0.5 * x
             x = ap**0.5 * x0 + (1 - ap) ** 0.5 * eps
-        return x0
+        return self.denoiser.from_target(x0, last)
 
 
 def cache_dir() -> Path:

@@ -172,11 +172,14 @@ def test_engine_protocol_ring_buffer_and_determinism(tiny_checkpoint):
     assert f0.shape == (120, 160, 3) and f0.dtype == np.uint8
     acts = [A.Action.of("MOVE_FORWARD"), A.Action.of("ATTACK", turn=4.0), A.Action.of("USE"),
             A.NOOP, A.Action.of("MOVE_LEFT"), A.Action.of("MOVE_RIGHT", turn=-8)]
-    frames = [eng.step(a) for a in acts]
+    frames = [eng.step(a) for a in acts[:-1]]
+    before = eng.z.clone()
+    z = eng.next_latent(acts[-1])
+    frames.append(AE.decode(ck.ae, z, 120, 160)[0])
     assert all(f.shape == (120, 160, 3) and f.dtype == np.uint8 for f in frames)
     # the ring holds the last N actions in order (N = 4: wrapped around)
     assert A.decode(eng.actions.numpy()) == acts[-4:]
-    assert torch.equal(eng.z[-1], eng.z[-1])  # the newest latent is last
+    assert torch.equal(eng.z[-1], z[0]) and torch.equal(eng.z[:-1], before[1:])  # newest last, oldest dropped
     eng.reset(5)
     again = [eng.step(a) for a in acts]
     assert all(np.array_equal(x, y) for x, y in zip(frames, again, strict=True))
@@ -227,3 +230,42 @@ def test_engine_feeds_the_sampler_contiguous_tensors(tiny_checkpoint):
     eng.step(A.NOOP)
     eng.step(A.Action.of("MOVE_FORWARD"))
     assert seen == [True, True]
+
+
+def test_delta_target_sampler_adds_the_change_to_the_last_context_frame():
+    """A "delta" denoiser is the frame denoiser's output, scaled, plus the last context latent."""
+    from dataclasses import replace
+
+    from neuraldoom.denoiser import Denoiser
+
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    torch.manual_seed(0)
+    frame = build_denoiser(dcfg, 4, (16, 20)).eval()
+    delta = Denoiser(frame.unet, frame.action_encoder, replace(dcfg, target="delta", delta_scale=0.5)).eval()
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
+    codes = torch.randint(0, 4, (1, 5, 2), generator=g)
+    with torch.no_grad():
+        for cfg in (1.0, 1.5):
+            a = DDIMSampler(frame, 4, cfg)(noise, ctx, codes)
+            b = DDIMSampler(delta, 4, cfg)(noise, ctx, codes)
+            torch.testing.assert_close(b, ctx[:, -1] + 0.5 * a)
+    z = torch.randn(2, 4, 16, 20)
+    torch.testing.assert_close(delta.from_target(delta.to_target(z, ctx[0, :2]), ctx[0, :2]), z)
+
+
+def test_denoiser_reads_only_the_newest_frames():
+    from dataclasses import replace
+
+    dcfg = replace(DenoiserConfig(**TINY_DENOISER), reads=2)
+    m = build_denoiser(dcfg, 4, (16, 20)).eval()
+    assert m.unet.config.in_channels == 4 * 3
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(1, 4, 16, 20, generator=g), torch.tensor([500]), torch.randn(1, 4, 4, 16, 20, generator=g),
+            torch.randint(0, 4, (1, 5, 2), generator=g), torch.tensor([0])]
+    with torch.no_grad():
+        out = m(*args)
+        args[2][:, :2] = 0  # the two oldest frames are not read
+        torch.testing.assert_close(m(*args), out)
+        args[2][:, -1] = 0
+        assert not torch.allclose(m(*args), out)

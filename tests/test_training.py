@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from neuraldoom.checkpoint import Checkpoint
 from training import evaluate, export, train_autoencoder, train_diffusion
@@ -34,6 +35,36 @@ def test_autoencoder_stage_trains_logs_and_resumes(tiny_ae, tiny_dataset, capsys
     assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(tiny_ae), "--steps", "8",
                                    "--batch", "4", "--eval-every", "4", "--eval-frames", "8", *TINY_AE]) == 0
     assert "resuming at step 6" in capsys.readouterr().out
+
+
+def test_autoencoder_resume_keeps_its_weights_when_the_model_folder_is_lost(tiny_ae, tiny_dataset, tmp_path):
+    """A kill between the two renames of the folder swap leaves no autoencoder/: the state file alone resumes."""
+    import shutil
+
+    import torch
+    from diffusers import AutoencoderTiny
+
+    from neuraldoom.checkpoint import load_model_dir
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ae, run)
+    before = load_model_dir(AutoencoderTiny, run / "autoencoder").state_dict()
+    os.replace(run / "autoencoder", run / "autoencoder.old")  # the swap's first rename happened, not the second
+    assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(run), "--steps", "20", "--lr", "0",
+                                   "--batch", "2", "--eval-every", "20", "--eval-frames", "4", *TINY_AE]) == 0
+    after = load_model_dir(AutoencoderTiny, run / "autoencoder").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if "encoder" in k or "decoder" in k)
+
+
+def test_autoencoder_resume_with_other_architecture_is_one_line(tiny_ae, tiny_dataset, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ae, run)
+    flags = ["--latent-channels", "8", "--encoder-channels", "8", "--decoder-channels", "8"]
+    assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(run), "--steps", "9", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--latent-channels 4" in err
 
 
 def test_decoder_only_keeps_the_encoder(tiny_ae, tiny_dataset, tmp_path):
@@ -136,3 +167,62 @@ def test_bench_prints_the_table_and_the_summary_line(tiny_checkpoint, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("fps=") and " eager_fps=" in last and " real_fps=" in last
     assert all(float(kv.split("=")[1]) > 0 for kv in last.split())
+
+
+def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae, tiny_dataset, capsys):
+    flags = [f if f != "16" else "32" for f in TINY_DM]  # another --block-out-channels
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
+                                 "--out", str(tiny_run), "--steps", "6", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "block-out-channels" in err
+
+
+def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, tiny_dataset, tmp_path):
+    from training import experiment
+
+    table = tmp_path / "EXPERIMENTS.md"
+    argv = ["--name", "delta", "--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
+            "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
+            "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2", *TINY_DM]
+    assert experiment.main(argv) == 0
+    ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
+    assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0
+    assert experiment.main(argv) == 0  # the budget is spent: no more training, one more evaluated row
+    rows = [x for x in table.read_text().splitlines() if x.startswith("| delta |")]
+    assert len(rows) == 2 and rows[0].split("|")[3] == rows[1].split("|")[3]  # same samples seen
+    assert "--target delta" in rows[0]
+
+
+def test_pipeline_runs_every_stage_on_a_tiny_budget(tmp_path):
+    """The one-shot command prepared for a lent GPU, end to end on the CPU with tiny budgets."""
+    from training import pipeline
+
+    out = tmp_path / "gpu"
+    argv = ["--out", str(out), "--frames", "400", "--workers", "1", "--ae-minutes", "0.02", "--dec-minutes", "0.01",
+            "--dm-minutes", "0.03", "--ae-batch", "4", "--batch", "4", "--latent-channels", "4",
+            "--block-out-channels", "8", "16", "--rollouts", "1", "--rollout-steps", "8",
+            "--extra-collect", "--episode-tics 160 --heldout 0.3 --seed 3",
+            "--extra-ae", "--encoder-channels 8 --decoder-channels 8 --eval-frames 8 --eval-every 5",
+            "--extra-dm", "--context 4 --attention-heads 2 --cross-attention-dim 16 --max-frames 300"]
+    assert pipeline.main(argv) == 0
+    ck = Checkpoint(out / "checkpoint")
+    assert ck.denoiser_cfg.target == "delta"
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report["tf_psnr"] > 0 and len(report["ar_psnr"]) == 8
+
+
+def test_decoder_fine_tune_with_a_discriminator_resumes_it(tiny_ae, tiny_dataset, tmp_path, capsys):
+    from neuraldoom.checkpoint import load_state
+
+    out = tmp_path / "dec"
+    argv = ["--data", str(tiny_dataset), "--out", str(out), "--init-from", str(tiny_ae / "autoencoder"),
+            "--decoder-only", "--batch", "2", "--eval-every", "3", "--eval-frames", "4", "--adv-weight", "0.1",
+            "--grad-weight", "0.5"]
+    assert train_autoencoder.main([*argv, "--steps", "3"]) == 0
+    tensors, meta = load_state(out / "dec_state.safetensors")
+    disc = {k: v for k, v in tensors.items() if k.startswith("disc.")}
+    assert disc and any(k.startswith("dopt.") for k in tensors) and meta["step"] == 3
+    assert train_autoencoder.main([*argv, "--steps", "4"]) == 0
+    assert "resuming at step 3" in capsys.readouterr().out
+    after, _ = load_state(out / "dec_state.safetensors")
+    assert any(not torch.equal(after[k], v) for k, v in disc.items())  # the discriminator kept training

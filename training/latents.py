@@ -36,6 +36,11 @@ class LatentSet:
     def __len__(self) -> int:
         return len(self.targets)
 
+    def step_change_std(self) -> float:
+        """Std of z_t - z_{t-1} within episodes (the scale of a "delta" target)."""
+        t = self.targets[torch.linspace(0, len(self.targets) - 1, min(4096, len(self.targets))).long()]
+        return float((self.z[t].float() - self.z[t - 1].float()).std())
+
     def window(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For target rows idx (B,): target (B,C,h,w), context (B,N,C,h,w), action codes (B,N+1,2).
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from diffusers import AutoencoderTiny
 from tqdm import tqdm
@@ -51,6 +52,8 @@ class Args:
     crop: tuple[int, int] = (64, 80)  # train on crops (fully convolutional; ~2.5x cheaper); 0,0 = frames
     hud_weight: float = 4.0  # loss weight of the status bar: it is game state, not decoration
     l1: float = 0.1
+    grad_weight: float = 0.0  # L1 on image gradients: MSE alone is minimised by blur (edges, textures)
+    adv_weight: float = 0.0  # patch-discriminator (hinge) loss weight, --decoder-only: how TAESD stays sharp
     decoder_only: bool = False  # freeze the encoder, fine-tune the decoder on whole frames
     init_from: str = ""  # an autoencoder folder to start from (e.g. checkpoints/e1m1/autoencoder)
     save_every: float = 120.0  # seconds
@@ -87,12 +90,43 @@ def sample_batch(pool: FramePool, rng: np.random.Generator, a: Args, factor: int
     return x, w
 
 
+class PatchDiscriminator(torch.nn.Module):
+    """Real/fake logits per ~22x22-pixel patch (pix2pix-style, spectral norm for a stable hinge game)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        sn = torch.nn.utils.parametrizations.spectral_norm
+        act = torch.nn.LeakyReLU(0.2)
+        self.net = torch.nn.Sequential(
+            sn(torch.nn.Conv2d(3, width, 4, 2, 1)), act,
+            sn(torch.nn.Conv2d(width, 2 * width, 4, 2, 1)), act,
+            sn(torch.nn.Conv2d(2 * width, 2 * width, 3, 1, 1)), act,
+            sn(torch.nn.Conv2d(2 * width, 1, 3, 1, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def reconstruction_loss(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: Args) -> torch.Tensor:
+    """Weighted MSE + L1 on pixels, plus L1 on horizontal/vertical differences (edge loss)."""
+    err = y - x
+    loss = ((err.pow(2) + a.l1 * err.abs()) * w).sum() / (w.sum() * 3)
+    if a.grad_weight:
+        for d in (-1, -2):  # x and y differences; a pair counts where both pixels carry weight
+            n = y.shape[d] - 1
+            ey = y.diff(dim=d) - x.diff(dim=d)
+            wd = w.narrow(d, 0, n) * w.narrow(d, 1, n)
+            loss = loss + a.grad_weight * (ey.abs() * wd).sum() / (wd.sum() * 3)
+    return loss
+
+
 @torch.no_grad()
 def evaluate(ae: AutoencoderTiny, frames: np.ndarray) -> dict[str, float]:
     ae.eval()
     rec = AE.decode(ae, AE.encode(ae, frames, 32), frames.shape[1], frames.shape[2])
     ae.train()
-    return {"psnr": metrics.psnr(rec, frames), "hud_psnr": metrics.psnr(metrics.hud(rec), metrics.hud(frames))}
+    return {"psnr": metrics.psnr(rec, frames), "hud_psnr": metrics.psnr(metrics.hud(rec), metrics.hud(frames)),
+            "sharpness": metrics.sharpness(rec, frames)}
 
 
 @torch.no_grad()
@@ -101,6 +135,17 @@ def normalize_latents(ae: AutoencoderTiny, frames: np.ndarray) -> None:
     ae.register_to_config(shift_factor=0.0, scaling_factor=1.0)
     z = AE.encode(ae, frames, 32)
     ae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
+
+
+ARCHITECTURE = ("latent_channels", "encoder_channels", "decoder_channels")
+
+
+def check_same_architecture(saved: dict, a: Args, path: Path) -> None:
+    """A resumed run must be the same model: a changed flag is one line, not a load_state_dict traceback."""
+    for k in ARCHITECTURE:
+        if k in saved and saved[k] != getattr(a, k):
+            raise CheckpointError(f"{path} was trained with --{k.replace('_', '-')} {saved[k]}, "
+                                  f"not {getattr(a, k)}: use another --out or the same flags")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,10 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     eval_frames = held.evenly(a.eval_frames)
 
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    # the device is chosen automatically; bf16 autocast on a GPU (fp32 here: bf16 is no faster on most CPUs)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if torch.cuda.is_available() else "no")
     try:
-        if (out / "autoencoder").exists() and (state_path.exists() or a.decoder_only):
-            ae = load_model_dir(AutoencoderTiny, out / "autoencoder")  # resume, or decoder fine-tune
+        tensors, meta = load_state(state_path) if state_path.exists() else ({}, {})
+        if meta:  # resume: the state file alone holds the weights, so a kill mid-save never loses them
+            check_same_architecture(meta.get("args", {}), a, state_path)
+            cfg = {k: v for k, v in meta["model_config"].items() if k != "block_out_channels"}  # not an init arg
+            ae = AutoencoderTiny.from_config(cfg)
+            ae.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        elif a.decoder_only and (out / "autoencoder").exists():
+            ae = load_model_dir(AutoencoderTiny, out / "autoencoder")  # decoder fine-tune in place
         elif a.init_from:
             ae = load_model_dir(AutoencoderTiny, a.init_from)
         else:
@@ -130,21 +182,34 @@ def main(argv: list[str] | None = None) -> int:
             ae = AE.build_autoencoder(AutoencoderConfig(latent_channels=a.latent_channels,
                                                         encoder_channels=a.encoder_channels,
                                                         decoder_channels=a.decoder_channels))
-        step = 0
+        step, elapsed = 0, 0.0
         params = ae.decoder.parameters() if a.decoder_only else ae.parameters()
         ae.encoder.requires_grad_(not a.decoder_only)
         opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-        if state_path.exists():
-            tensors, meta = load_state(state_path)
+        disc = PatchDiscriminator() if a.adv_weight else None
+        dopt = torch.optim.AdamW(disc.parameters(), lr=a.lr, betas=(0.5, 0.9)) if disc else None
+        if disc is not None and meta and any(k.startswith("disc.") for k in tensors):
+            disc.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("disc.")})
+            load_optimizer(dopt, tensors, meta, prefix="dopt")
+        if meta:
             load_optimizer(opt, tensors, meta)
-            step = int(meta["step"])
+            step, elapsed = int(meta["step"]), float(meta.get("elapsed", 0.0))
             print(f"train_autoencoder: resuming at step {step}")
     except CheckpointError as e:
         print(f"train_autoencoder: {e}", file=sys.stderr)
         return 2
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 200) * 0.5 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps)),
-        last_epoch=step - 1 if step else -1)
+    # Cosine over the run's length: --steps, or --minutes of wall time if that ends first, so a
+    # time-boxed run anneals to its end instead of stopping at a high learning rate.
+    def progress() -> float:
+        p = step / max(a.steps, 1)
+        if a.minutes:
+            p = max(p, (elapsed + time.time() - t0) / (a.minutes * 60))
+        return min(p, 1.0)
+
+    def set_lr() -> None:
+        f = min(1.0, (step + 1) / 200) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress())))
+        for g in opt.param_groups:
+            g["lr"] = a.lr * f
     ae.train()
     ae, opt = acc.prepare(ae, opt)
     raw = acc.unwrap_model(ae)
@@ -157,36 +222,53 @@ def main(argv: list[str] | None = None) -> int:
                 normalize_latents(raw, eval_frames[:128])
             save_model_dir(raw, out / "autoencoder")
             t, m = optimizer_tensors(opt)
-            save_state(state_path, t, {**m, "step": step, "args": asdict(a)})
+            t.update({f"model.{k}": v for k, v in raw.state_dict().items()})
+            if disc is not None:
+                dt, dm = optimizer_tensors(dopt, prefix="dopt")
+                t.update({**dt, **{f"disc.{k}": v for k, v in disc.state_dict().items()}})
+                m["dopt_param_groups"] = dm["param_groups"]
+            save_state(state_path, t, {**m, "step": step, "elapsed": elapsed + time.time() - t0,
+                                       "args": asdict(a), "model_config": dict(raw.config)})
 
     log = open(out / "ae_log.jsonl", "a")
     t0 = last_save = time.time()
+    set_lr()
     seen = 0
     bar = tqdm(total=a.steps, initial=step, desc="decoder" if a.decoder_only else "autoencoder", mininterval=10)
     while step < a.steps:
         x, w = sample_batch(train, rng, a, factor)
         x, w = x.to(acc.device), w.to(acc.device)
-        with torch.no_grad() if a.decoder_only else torch.enable_grad():
-            z = AE.encode_pixels(raw, x)
-        y = AE.decode_pixels(raw, z)
-        err = y - x
-        loss = ((err.pow(2) + a.l1 * err.abs()) * w).sum() / (w.sum() * 3)
+        with acc.autocast():
+            with torch.no_grad() if a.decoder_only else torch.enable_grad():
+                z = AE.encode_pixels(raw, x)
+            y = AE.decode_pixels(raw, z).float()
+        loss = reconstruction_loss(y, x, w, a)
+        if disc is not None:  # hinge GAN on the visible frame (the padding is not part of the picture)
+            H, W = train.height, train.width
+            real, fake = x[..., :H, :W], y[..., :H, :W]
+            d_loss = F.relu(1 - disc(real)).mean() + F.relu(1 + disc(fake.detach())).mean()
+            dopt.zero_grad(set_to_none=True)
+            d_loss.backward()
+            dopt.step()
+            disc.requires_grad_(False)
+            loss = loss - a.adv_weight * disc(fake).mean()
+            disc.requires_grad_(True)
         opt.zero_grad(set_to_none=True)
         acc.backward(loss)
         acc.clip_grad_norm_(ae.parameters(), 1.0)
         opt.step()
-        sched.step()
         step += 1
+        set_lr()
         seen += len(x)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{seen / (time.time() - t0):.1f}")
+        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{seen / (time.time() - t0):.1f}", refresh=False)
         if step % a.eval_every == 0 or step == a.steps:
             ev = evaluate(raw, eval_frames)
-            rec = {"step": step, "loss": loss.item(), "minutes": (time.time() - t0) / 60, **ev}
+            rec = {"step": step, "loss": loss.item(), "minutes": (elapsed + time.time() - t0) / 60, **ev}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.write(json.dumps(rec))
-        timeout = a.minutes and time.time() - t0 > a.minutes * 60
+        timeout = a.minutes and elapsed + time.time() - t0 > a.minutes * 60
         if time.time() - last_save > a.save_every or step == a.steps or timeout:
             save()
             last_save = time.time()

@@ -64,9 +64,14 @@ class Args:
     seed: int = 0
     threads: int = 1
     context: int = DenoiserConfig.context
+    reads: int = DenoiserConfig.reads
+    target: str = DenoiserConfig.target
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
+
+
+ARCHITECTURE = ("context", "reads", "target", "block_out_channels", "attention_heads", "cross_attention_dim")
 
 
 def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +88,7 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
     ctx, bucket = noise_augment(ctx, cfg, gen)
+    target = getattr(model, "module", model).to_target(target, ctx[:, -1])  # vs the last frame as seen
     drop = torch.rand(B, generator=gen) < dropout
     ctx = torch.where(drop.view(B, 1, 1, 1, 1), torch.zeros_like(ctx), ctx)
     eps = torch.randn(target.shape, generator=gen)
@@ -111,42 +117,56 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.safetensors"
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    # the device is chosen automatically; bf16 autocast on a GPU (fp32 here: bf16 is no faster on most CPUs)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if torch.cuda.is_available() else "no")
     try:
         init = Checkpoint(a.init_from) if a.init_from else None
         ae_dir = Path(a.autoencoder) if a.autoencoder else (init.path / "autoencoder" if init else None)
         if ae_dir is None:
             raise CheckpointError("give --autoencoder DIR (a trained autoencoder) or --init-from CHECKPOINT")
         ae = load_model_dir(AutoencoderTiny, ae_dir).eval()
+        if a.target not in ("frame", "delta"):
+            raise CheckpointError(f"--target must be frame or delta, not {a.target!r}")
         dcfg = init.denoiser_cfg if init else replace(
             DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
-            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim)
+            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim, reads=a.reads,
+            target=a.target)
         data = Path(a.data)
         game = Recording(find_recordings(data / "train")[0]).game
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
+        ae.to(acc.device)  # encode on the accelerator when there is one; the checkpoint keeps a CPU copy
         train = L.build(ae, ae_dir, data / "train", out / "latents" / "train", a.max_frames)
         held = L.build(ae, ae_dir, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
+        ae.cpu()
     except (CheckpointError, RecordingError) as e:
         print(f"train_diffusion: {e}", file=sys.stderr)
         return 2
     hw = tuple(train.z.shape[-2:])
+    if dcfg.target == "delta" and init is None:  # unit-variance target: the std of one step's change
+        dcfg = replace(dcfg, delta_scale=round(float(train.step_change_std()), 4))
     model = build_denoiser(dcfg, ae.config.latent_channels, hw)
     if init is not None:
         model.load_state_dict(init.denoiser.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     ema = EMAModel(model.parameters(), decay=a.ema, use_ema_warmup=True, power=3 / 4)
-    step, seen = 0, 0
+    step, seen, elapsed = 0, 0, 0.0
     if state_path.exists():
         try:
             tensors, meta = load_state(state_path)
         except CheckpointError as e:
             print(f"train_diffusion: {e}", file=sys.stderr)
             return 2
+        saved = meta.get("args", {})
+        for k in ARCHITECTURE:
+            if k in saved and saved[k] != (list(getattr(a, k)) if isinstance(getattr(a, k), tuple) else getattr(a, k)):
+                print(f"train_diffusion: {state_path} was trained with --{k.replace('_', '-')} {saved[k]}, not "
+                      f"{getattr(a, k)}: use another --out or the same flags", file=sys.stderr)
+                return 2
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         load_optimizer(opt, tensors, meta)
         ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
         ema.optimization_step = meta["ema_step"]
-        step, seen = int(meta["step"]), int(meta["seen"])
+        step, seen, elapsed = int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
         print(f"train_diffusion: resuming at step {step}")
     sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
                           prediction_type="v_prediction")
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         t.update({f"model.{k}": v for k, v in raw.state_dict().items()})
         t.update({f"ema.{i}": p for i, p in enumerate(ema.shadow_params)})
         save_state(state_path, t, {**m, "step": step, "seen": seen, "ema_step": ema.optimization_step,
-                                   "args": asdict(a)})
+                                   "elapsed": elapsed + time.time() - t0, "args": asdict(a)})
         shipped = copy.deepcopy(raw).cpu().eval()
         ema.copy_to(shipped.parameters())
         notes = {"steps": step, "samples": seen, "batch": a.batch, "lr": a.lr,
@@ -186,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = last_save = time.time()
     seen0 = seen
     bar = tqdm(total=a.steps, initial=step, desc="denoiser", mininterval=10)
-    while step < a.steps:
+    while step < a.steps and not (a.minutes and elapsed >= a.minutes * 60):  # a spent budget trains no more
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         loss = diffusion_loss(model, sched, train.window(idx, dcfg.context), dcfg, a.context_dropout, gen,
                               acc.device)
@@ -202,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{sps:.1f}", refresh=False)
         if step % a.eval_every == 0:
-            rec = {"step": step, "loss": loss.item(), "held_loss": held_loss(), "samples_per_s": sps,
-                   "minutes": (time.time() - t0) / 60}
+            rec = {"step": step, "samples": seen, "loss": loss.item(), "held_loss": held_loss(),
+                   "samples_per_s": sps, "minutes": (elapsed + time.time() - t0) / 60}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.write(json.dumps(rec))
-        timeout = a.minutes and time.time() - t0 > a.minutes * 60
+        timeout = a.minutes and elapsed + time.time() - t0 > a.minutes * 60
         if time.time() - last_save > a.save_every or step == a.steps or timeout:
             save()
             last_save = time.time()
