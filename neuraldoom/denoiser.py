@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from diffusers import ModelMixin, UNet2DConditionModel
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from torch import nn
@@ -38,12 +39,19 @@ class ActionEncoder(ModelMixin, ConfigMixin):
         return self.norm(tok + self.position[-codes.shape[1]:])
 
 
+def class_dim(cfg: DenoiserConfig) -> int:
+    return cfg.noise_buckets + A.NUM_BUTTONS + A.NUM_TURNS
+
+
 def frames_read(cfg: DenoiserConfig) -> int:
     return cfg.reads or cfg.context
 
 
 def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:
     n = len(cfg.block_out_channels)
+    # class embedding: the noise bucket alone (a lookup), or [bucket one-hot, buttons, turn one-hot] projected
+    classes = (dict(class_embed_type="projection", projection_class_embeddings_input_dim=class_dim(cfg))
+               if cfg.action_embed else dict(num_class_embeds=cfg.noise_buckets))
     return UNet2DConditionModel(
         sample_size=latent_hw,
         in_channels=latent_channels * (frames_read(cfg) + 1),
@@ -55,7 +63,7 @@ def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, 
         layers_per_block=cfg.layers_per_block,
         attention_head_dim=cfg.attention_heads,  # diffusers' legacy name: it sets the number of heads
         cross_attention_dim=cfg.cross_attention_dim,
-        num_class_embeds=cfg.noise_buckets,
+        **classes,
         only_cross_attention=cfg.only_cross_attention,
         norm_num_groups=min(32, cfg.block_out_channels[0]),
     )
@@ -73,6 +81,8 @@ class Denoiser(nn.Module):
         self.reads = frames_read(cfg)
         self.delta = cfg.target == "delta"
         self.delta_scale = float(cfg.delta_scale)
+        self.action_embed = unet.config.class_embed_type == "projection"
+        self.buckets = cfg.noise_buckets
 
     # The diffused variable. "delta" predicts the change from the last context frame as the model saw it
     # (noise-augmented in training), so an unsure model falls back to holding that frame, not to the
@@ -92,7 +102,13 @@ class Denoiser(nn.Module):
         # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int
         x = torch.cat([noisy, context[:, -self.reads:].flatten(1, 2)], 1)  # (B, C*(reads+1), h, w)
         tokens = self.action_encoder(actions)  # (B, N+1, D)
-        return self.unet(x, t, encoder_hidden_states=tokens, class_labels=bucket, return_dict=False)[0]
+        labels = bucket
+        if self.action_embed:  # (B, buckets + buttons + turns): the noise level and the current action
+            now = actions[:, -1]
+            bits = (now[:, :1] >> torch.arange(A.NUM_BUTTONS, device=now.device)) & 1
+            labels = torch.cat([F.one_hot(bucket, self.buckets), bits, F.one_hot(now[:, 1], A.NUM_TURNS)], 1)
+            labels = labels.to(noisy.dtype)
+        return self.unet(x, t, encoder_hidden_states=tokens, class_labels=labels, return_dict=False)[0]
 
 
 def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> Denoiser:

@@ -269,3 +269,23 @@ def test_denoiser_reads_only_the_newest_frames():
         torch.testing.assert_close(m(*args), out)
         args[2][:, -1] = 0
         assert not torch.allclose(m(*args), out)
+
+
+def test_action_embedding_makes_the_current_action_change_the_output():
+    from dataclasses import replace
+
+    m = build_denoiser(replace(DenoiserConfig(**TINY_DENOISER), action_embed=True), 4, (16, 20)).eval()
+    assert m.unet.config.class_embed_type == "projection"
+    g = torch.Generator().manual_seed(0)
+    x, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
+    codes = torch.zeros(1, 5, 2, dtype=torch.long)
+    with torch.no_grad():
+        # cross-attention off: the class embedding alone must carry the current action
+        for blk in m.unet.modules():
+            if blk.__class__.__name__ == "Attention" and blk.is_cross_attention:
+                blk.to_out[0].weight.zero_()
+        torch.nn.init.normal_(m.unet.class_embedding.linear_1.weight)
+        a = m(x, torch.tensor([500]), ctx, codes, torch.tensor([0]))
+        codes[0, -1] = torch.tensor([A.Action.of("MOVE_FORWARD").buttons, 1])
+        b = m(x, torch.tensor([500]), ctx, codes, torch.tensor([0]))
+    assert not torch.allclose(a, b)

@@ -66,12 +66,14 @@ class Args:
     context: int = DenoiserConfig.context
     reads: int = DenoiserConfig.reads
     target: str = DenoiserConfig.target
+    action_embed: bool = DenoiserConfig.action_embed
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
 
 
-ARCHITECTURE = ("context", "reads", "target", "block_out_channels", "attention_heads", "cross_attention_dim")
+ARCHITECTURE = ("context", "reads", "target", "action_embed", "block_out_channels", "attention_heads",
+                "cross_attention_dim")
 
 
 def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         dcfg = init.denoiser_cfg if init else replace(
             DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
             attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim, reads=a.reads,
-            target=a.target)
+            target=a.target, action_embed=a.action_embed)
         data = Path(a.data)
         game = Recording(find_recordings(data / "train")[0]).game
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
