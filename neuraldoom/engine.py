@@ -128,4 +128,15 @@ class NeuralEngine:
         return self.frame
 
     def close(self) -> None:
-        pass
+        """Stop a background compile that has not landed (it must not outlive the game)."""
+        builder = getattr(self, "_builder", None)
+        if builder is not None and builder.poll() is None:
+            import os
+            import signal
+
+            try:
+                os.killpg(builder.pid, signal.SIGKILL)  # its own session: the compiler's children go too
+            except ProcessLookupError:
+                pass
+            builder.wait()
+        self._pending = None

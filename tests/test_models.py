@@ -289,3 +289,14 @@ def test_action_embedding_makes_the_current_action_change_the_output():
         codes[0, -1] = torch.tensor([A.Action.of("MOVE_FORWARD").buttons, 1])
         b = m(x, torch.tensor([500]), ctx, codes, torch.tensor([0]))
     assert not torch.allclose(a, b)
+
+
+def test_closing_the_engine_stops_a_background_compile(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("NEURALDOOM_CACHE", str(tmp_path / "cache"))
+    eng = NeuralEngine(Checkpoint(tiny_checkpoint), compile=True, seed=0)
+    builder = eng._builder
+    assert builder.poll() is None and not eng.compiled  # building, playing eager meanwhile
+    eng.step(A.NOOP)
+    eng.close()
+    assert builder.poll() is not None  # the build process is gone
+    assert not list((tmp_path / "cache").rglob("*.pt2"))  # and left no package behind
