@@ -2,11 +2,20 @@
 
     python -m training.evaluate --checkpoint checkpoints/e1m1 --data data/e1m1 --out runs/eval
 
-Prints a table and writes OUT/report.json, OUT/ar_psnr.png and OUT/grid.png:
+Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT/rollout.png:
 - teacher-forced next-frame PSNR/SSIM (real context, DDIM steps of the checkpoint, CFG as shipped and 1.0);
-- the copy-last-frame baseline, the mean-frame baseline, the autoencoder ceiling (decode(encode(real)));
+- the copy-last-frame baseline, the mean-frame baseline, the autoencoder ceiling (decode(encode(real)))
+  with its sharpness (the reconstructions' gradient energy over the real frames');
 - the status bar's own PSNR for the model and the autoencoder (it is game state);
-- autoregressive rollouts fed the real actions: PSNR and sharpness per step, with copy-last per step.
+- status-bar read accuracy (neuraldoom.statusbar's shipped reader: AMMO, HEALTH and ARMOR all read right,
+  against the recording's variables as the bar shows them, statusbar.frame_values) of the real frames
+  (real_statusbar_acc, a sanity row: 1.0 unless the reader does not fit the game), the autoencoder's
+  reconstructions, the teacher-forced frames and the autoregressive frames (all of them, and per step);
+  per-field fractions in statusbar_fields; null where the reader does not apply (not 160x120, no HUD);
+- autoregressive rollouts fed the real actions: PSNR, sharpness and status-bar accuracy per step, with
+  copy-last and mean-frame per step. A rollout never leaves its start's episode: one that reaches the
+  episode's end stops there, and each per-step metric is over the rollouts still alive at that step
+  (ar_alive counts them; null for a step none reaches); ar_statusbar_acc is over all alive frames.
 Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs.
 """
 
@@ -16,6 +25,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +33,7 @@ import torch
 from neuraldoom import actions as A
 from neuraldoom import autoencoder as AE
 from neuraldoom import metrics as M
+from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import parse_args
 from neuraldoom.engine import NeuralEngine
@@ -60,6 +71,44 @@ def history(rec: Recording, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(rec.frames[lo:i]), acts
 
 
+def statusbar_ok(frames: np.ndarray, values: np.ndarray) -> np.ndarray | None:
+    """(N, 3) bool, each status-bar field read right by the shipped reader; None where it does not apply
+    (frames not 160x120). values: (N, 3) or (N, K, 3) candidates (statusbar.frame_values)."""
+    frames = np.asarray(frames)
+    if frames.shape[1:] != SB.FRAME_SHAPE:
+        return None
+    return SB.read_ok(SB.default_reader(), frames, values)
+
+
+def _fraction(ok: np.ndarray | None) -> float | None:
+    """Share of frames with all three fields right; None without a reading or without frames."""
+    return None if ok is None or not len(ok) else float(ok.all(-1).mean())
+
+
+def _fields(ok: np.ndarray | None) -> dict[str, float] | None:
+    return None if ok is None or not len(ok) else {f: float(ok[:, k].mean()) for k, f in enumerate(SB.FIELDS)}
+
+
+def evaluate_autoencoder(ae: Any, frames: np.ndarray, values: np.ndarray | None = None) -> dict[str, Any]:
+    """decode(encode(frames)) against uint8 frames (N, H, W, 3): psnr, ssim, hud_psnr, sharpness and
+    statusbar_acc (share of frames whose three status-bar numbers read right) with statusbar_fields.
+    values: what the real frames' bars show, (N, 3) or (N, K, 3) candidates (statusbar.frame_values);
+    None: what the reader reads off the real frames. statusbar_* are None unless the frames are 160x120."""
+    frames = np.asarray(frames)
+    rec = AE.decode(ae, AE.encode(ae, frames), frames.shape[1], frames.shape[2])
+    ok = None
+    if frames.shape[1:] == SB.FRAME_SHAPE:
+        ok = statusbar_ok(rec, SB.default_reader().read(frames) if values is None else values)
+    return {"psnr": M.psnr(rec, frames), "ssim": M.ssim(rec, frames), "hud_psnr": M.psnr(M.hud(rec), M.hud(frames)),
+            "sharpness": M.sharpness(rec, frames), "statusbar_acc": _fraction(ok), "statusbar_fields": _fields(ok)}
+
+
+def _masked(metric: Any, gen: np.ndarray, real: np.ndarray, alive: np.ndarray) -> list[float | None]:
+    """metric(gen[:, t], real[:, t]) per step t over the rollouts alive at t; None for a step none reaches."""
+    return [metric(gen[alive[:, t], t], real[alive[:, t], t]) if alive[:, t].any() else None
+            for t in range(alive.shape[1])]
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     torch.set_num_threads(a.threads)
@@ -91,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for s, e in r.episodes():
             targets += [(r, i) for i in range(s + 1, e)]
     pick = rng.choice(len(targets), min(a.samples, len(targets)), replace=False)
-    real, prev, gen, gen1 = [], [], [], []
+    real, prev, gen, gen1, real_vals = [], [], [], [], []
     for k in pick:
         r, i = targets[k]
         frames, acts = history(r, i, n)
@@ -101,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             sink.append(e.step(_action(act)))
         real.append(np.asarray(r.frames[i]))
         prev.append(frames[-1])
-    real, prev, gen, gen1 = map(np.stack, (real, prev, gen, gen1))
-    ae_rec = AE.decode(ckpt.ae, AE.encode(ckpt.ae, real), H, W)
+        real_vals.append(SB.frame_values(r, [i])[0])
+    real, prev, gen, gen1, real_vals = map(np.stack, (real, prev, gen, gen1, real_vals))
+    ae_ev = evaluate_autoencoder(ckpt.ae, real, real_vals)
+    sb = ckpt.game.hud  # no status bar to read without the HUD
+    sb_real = statusbar_ok(real, real_vals) if sb else None
+    sb_tf = statusbar_ok(gen, real_vals) if sb else None
     report: dict = {
         "checkpoint": str(a.checkpoint),
         "n_samples": len(real),
@@ -113,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         "copy_last_psnr": M.psnr(prev, real),
         "copy_last_ssim": M.ssim(prev, real),
         "mean_frame_psnr": M.psnr(np.broadcast_to(mean_frame, real.shape), real),
-        "ae_psnr": M.psnr(ae_rec, real),
-        "ae_ssim": M.ssim(ae_rec, real),
+        "ae_psnr": ae_ev["psnr"],
+        "ae_ssim": ae_ev["ssim"],
+        "ae_sharpness": ae_ev["sharpness"],
         "hud_psnr": M.psnr(M.hud(gen), M.hud(real)),
-        "ae_hud_psnr": M.psnr(M.hud(ae_rec), M.hud(real)),
+        "ae_hud_psnr": ae_ev["hud_psnr"],
         "copy_last_hud_psnr": M.psnr(M.hud(prev), M.hud(real)),
+        "real_statusbar_acc": _fraction(sb_real),
+        "ae_statusbar_acc": ae_ev["statusbar_acc"] if sb else None,
+        "tf_statusbar_acc": _fraction(sb_tf),
     }
 
     # -- autoregressive ----------------------------------------------------------------------
@@ -126,22 +183,34 @@ def main(argv: list[str] | None = None) -> int:
     starts = [starts[k] for k in rng.choice(len(starts), min(a.rollouts, len(starts)), replace=False)]
     ar_real = np.zeros((len(starts), T, H, W, 3), np.uint8)
     ar_gen, ar_copy = np.zeros_like(ar_real), np.zeros_like(ar_real)
+    ar_vals = np.zeros((len(starts), T, 2, 3), np.int64)
+    alive = np.zeros((len(starts), T), bool)  # rollout j still inside its start's episode at step t
     for j, (r, i) in enumerate(starts):
-        T_j = min(T, len(r) - i)
+        e = next(e for s, e in r.episodes() if s <= i < e)
+        T_j = min(T, e - i)
+        alive[j, :T_j] = True
+        ar_vals[j, :T_j] = SB.frame_values(r, np.arange(i, i + T_j))
         frames, acts = history(r, i, n)
         eng.set_context(frames, acts)
         for t in range(T_j):
             ar_gen[j, t] = eng.step(_action(r.actions[i + t - 1]))
             ar_real[j, t] = r.frames[i + t]
             ar_copy[j, t] = frames[-1]
-    report["ar_psnr"] = [M.psnr(ar_gen[:, t], ar_real[:, t]) for t in range(T)]
-    report["ar_copy_last_psnr"] = [M.psnr(ar_copy[:, t], ar_real[:, t]) for t in range(T)]
-    report["ar_mean_frame_psnr"] = [M.psnr(np.broadcast_to(mean_frame, ar_real[:, t].shape), ar_real[:, t])
-                                    for t in range(T)]
-    report["ar_sharpness"] = [M.sharpness(ar_gen[:, t], ar_real[:, t]) for t in range(T)]
+    report["ar_psnr"] = _masked(M.psnr, ar_gen, ar_real, alive)
+    report["ar_copy_last_psnr"] = _masked(M.psnr, ar_copy, ar_real, alive)
+    mean_gen = np.broadcast_to(mean_frame, ar_real.shape)
+    report["ar_mean_frame_psnr"] = _masked(M.psnr, mean_gen, ar_real, alive)
+    report["ar_sharpness"] = _masked(M.sharpness, ar_gen, ar_real, alive)
+    report["ar_alive"] = alive.sum(0).tolist()
+    sb_ar = statusbar_ok(ar_gen.reshape(-1, H, W, 3), ar_vals.reshape(-1, 2, 3)) if sb else None
+    sb_ar = None if sb_ar is None else sb_ar.reshape(len(starts), T, 3)
+    report["ar_statusbar_acc"] = None if sb_ar is None else _fraction(sb_ar[alive])
+    report["ar_statusbar_acc_steps"] = [None if sb_ar is None else _fraction(sb_ar[alive[:, t], t]) for t in range(T)]
+    report["statusbar_fields"] = {"real": _fields(sb_real), "ae": ae_ev["statusbar_fields"] if sb else None,
+                                  "tf": _fields(sb_tf), "ar": None if sb_ar is None else _fields(sb_ar[alive])}
     report["n_rollouts"] = len(starts)
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    _plots(out, report, prev, real, gen, ar_real, ar_gen)
+    _plots(out, report, prev, real, gen, ar_real, ar_gen, alive)
 
     rows = [(f"teacher-forced PSNR (CFG {ckpt.sampler_cfg.cfg:.1f})", report["tf_psnr"]),
             ("teacher-forced PSNR (CFG 1.0)", report["tf_psnr_nocfg"]),
@@ -150,15 +219,18 @@ def main(argv: list[str] | None = None) -> int:
             ("mean-frame PSNR", report["mean_frame_psnr"]),
             ("autoencoder ceiling PSNR", report["ae_psnr"]),
             ("status bar PSNR: model / autoencoder", f"{report['hud_psnr']:.2f} / {report['ae_hud_psnr']:.2f}"),
-            ("sharpness, teacher-forced", report["tf_sharpness"])]
+            ("sharpness: teacher-forced / autoencoder", f"{report['tf_sharpness']:.2f} / {report['ae_sharpness']:.2f}"),
+            ("status bar read right: real / autoencoder / teacher-forced",
+             " / ".join(_fmt(report[k]) for k in ("real_statusbar_acc", "ae_statusbar_acc", "tf_statusbar_acc"))),
+            ("status bar read right: autoregressive, all steps", _fmt(report["ar_statusbar_acc"]))]
     for t in (1, 8, 16, 32, 64):
-        if t <= T:
-            rows.append((f"autoregressive step {t}: model / copy-last / sharpness",
+        if t <= T and report["ar_alive"][t - 1]:
+            rows.append((f"autoregressive step {t}: model / copy-last / sharpness / status bar",
                          f"{report['ar_psnr'][t - 1]:.2f} / {report['ar_copy_last_psnr'][t - 1]:.2f} / "
-                         f"{report['ar_sharpness'][t - 1]:.2f}"))
-    print(f"{'metric':<58} value  (n={report['n_samples']} held-out targets, {len(starts)} rollouts)")
+                         f"{report['ar_sharpness'][t - 1]:.2f} / {_fmt(report['ar_statusbar_acc_steps'][t - 1])}"))
+    print(f"{'metric':<66} value  (n={report['n_samples']} held-out targets, {len(starts)} rollouts)")
     for k, v in rows:
-        print(f"{k:<58} {v:.3f}" if isinstance(v, float) else f"{k:<58} {v}")
+        print(f"{k:<66} {v:.3f}" if isinstance(v, float) else f"{k:<66} {v}")
     return 0
 
 
@@ -166,22 +238,29 @@ def _action(code: np.ndarray) -> A.Action:
     return A.Action(int(code[0]), int(code[1]))
 
 
-def _plots(out: Path, rep: dict, prev, real, gen, ar_real, ar_gen) -> None:
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def _plots(out: Path, rep: dict, prev, real, gen, ar_real, ar_gen, alive) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from PIL import Image
 
+    def curve(k: str) -> np.ndarray:  # null (no rollout alive) -> a gap
+        return np.array([np.nan if v is None else v for v in rep[k]], float)
+
     steps = np.arange(1, len(rep["ar_psnr"]) + 1)
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax[0].plot(steps, rep["ar_psnr"], label="model")
-    ax[0].plot(steps, rep["ar_copy_last_psnr"], label="copy last context frame")
-    ax[0].plot(steps, rep["ar_mean_frame_psnr"], label="mean frame", ls=":")
+    ax[0].plot(steps, curve("ar_psnr"), label="model")
+    ax[0].plot(steps, curve("ar_copy_last_psnr"), label="copy last context frame")
+    ax[0].plot(steps, curve("ar_mean_frame_psnr"), label="mean frame", ls=":")
     ax[0].axhline(rep["ae_psnr"], color="gray", ls="--", label="autoencoder ceiling")
     ax[0].set(xlabel="autoregressive step", ylabel="PSNR (dB)")
     ax[0].legend(fontsize=7)
-    ax[1].plot(steps, rep["ar_sharpness"])
+    ax[1].plot(steps, curve("ar_sharpness"))
     ax[1].axhline(1.0, color="gray", ls="--")
     ax[1].set(xlabel="autoregressive step", ylabel="sharpness (generated / real)")
     fig.tight_layout()
@@ -191,9 +270,10 @@ def _plots(out: Path, rep: dict, prev, real, gen, ar_real, ar_gen) -> None:
     tf = np.concatenate([np.concatenate([prev[i], real[i], gen[i]], 1) for i in range(k)], 0)
     Image.fromarray(tf).save(out / "grid.png")  # rows: last context frame | real next | model next
     if len(ar_real):
-        idx = [t for t in (0, 3, 7, 15, 31, 63) if t < ar_real.shape[1]]
-        strip = np.concatenate([np.concatenate([ar_real[0, t] for t in idx], 1),
-                                np.concatenate([ar_gen[0, t] for t in idx], 1)], 0)
+        j = int(alive.sum(1).argmax())  # the longest rollout
+        idx = [t for t in (0, 3, 7, 15, 31, 63) if t < alive[j].sum()] or [0]
+        strip = np.concatenate([np.concatenate([ar_real[j, t] for t in idx], 1),
+                                np.concatenate([ar_gen[j, t] for t in idx], 1)], 0)
         Image.fromarray(strip).save(out / "rollout.png")  # top: real, bottom: model, steps 1..64
 
 
