@@ -110,7 +110,7 @@ def parse_args(cls: type[T], argv: list[str] | None, doc: str | None = None) -> 
         if typ == "bool":
             p.add_argument(name, action="store_true", default=default)
         elif typ.startswith("tuple"):
-            inner = float if "float" in typ else int
+            inner = float if "float" in typ else int if "int" in typ else str
             p.add_argument(name, type=inner, nargs="+", default=default, required=required)
         else:
             p.add_argument(name, type={"int": int, "float": float}.get(typ, str), default=default, required=required)

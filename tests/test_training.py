@@ -188,7 +188,7 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0
     assert experiment.main(argv) == 0  # the budget is spent: no more training, one more evaluated row
-    rows = [x for x in table.read_text().splitlines() if x.startswith("| delta |")]
+    rows = [x for x in table.read_text().splitlines() if x.startswith("| delta, CFG 1.5 |")]
     assert len(rows) == 2 and rows[0].split("|")[3] == rows[1].split("|")[3]  # same samples seen
     assert "--target delta" in rows[0]
 

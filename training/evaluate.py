@@ -50,6 +50,7 @@ class Args:
     rollout_steps: int = 64
     seed: int = 0
     compile: bool = False  # use the compiled sampler (slower to start, faster to run)
+    guidance: float = 0.0  # CFG weight of the main runs (0 = the checkpoint's own)
     threads: int = 1
 
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(a.seed)
     n = ckpt.denoiser_cfg.context
     H, W = ckpt.game.height, ckpt.game.width
-    eng = NeuralEngine(ckpt, compile=a.compile, seed=a.seed, wait_compile=True)
+    eng = NeuralEngine(ckpt, compile=a.compile, guidance=a.guidance or None, seed=a.seed, wait_compile=True)
     eng1 = NeuralEngine(ckpt, compile=a.compile, guidance=1.0, seed=a.seed, wait_compile=True)
 
     # mean-frame baseline: the average training frame
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     sb_tf = statusbar_ok(gen, real_vals) if sb else None
     report: dict = {
         "checkpoint": str(a.checkpoint),
+        "guidance": eng.sampler.cfg,
         "n_samples": len(real),
         "tf_psnr": M.psnr(gen, real),
         "tf_psnr_nocfg": M.psnr(gen1, real),
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.json").write_text(json.dumps(report, indent=2))
     _plots(out, report, prev, real, gen, ar_real, ar_gen, alive)
 
-    rows = [(f"teacher-forced PSNR (CFG {ckpt.sampler_cfg.cfg:.1f})", report["tf_psnr"]),
+    rows = [(f"teacher-forced PSNR (CFG {eng.sampler.cfg:.1f})", report["tf_psnr"]),
             ("teacher-forced PSNR (CFG 1.0)", report["tf_psnr_nocfg"]),
             ("teacher-forced SSIM", report["tf_ssim"]),
             ("copy-last-frame PSNR", report["copy_last_psnr"]),

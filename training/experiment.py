@@ -35,6 +35,7 @@ class Args:
     samples: int = 64  # teacher-forced held-out targets
     rollouts: int = 8
     rollout_steps: int = 128
+    guidance: float = 0.0  # CFG weight to evaluate with (0 = the checkpoint's)
     threads: int = 1
 
 
@@ -51,6 +52,7 @@ def row(name: str, minutes: float, report: dict, train_log: list[dict], command:
             ar.append("—")
     sb = [report.get(k) for k in ("tf_statusbar_acc", "ar_statusbar_acc")]
     sb_s = " / ".join("—" if v is None else f"{100 * v:.0f}%" for v in sb)
+    name = f"{name}, CFG {report['guidance']:g}" if "guidance" in report else name
     return f"| {name} | {minutes:g} min | {seen:,} | {tf} | " + " | ".join(ar) + f" | {sb_s} | `{command}` |"
 
 
@@ -71,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     rc = train_diffusion.main(train_argv + extra)
     if rc:
         return rc
-    rc = evaluate.main(["--checkpoint", str(run / "checkpoint"), "--data", a.data, "--out", str(run / "eval"),
+    ev = run / ("eval" if not a.guidance else f"eval-cfg{a.guidance:g}")
+    rc = evaluate.main(["--checkpoint", str(run / "checkpoint"), "--data", a.data, "--out", str(ev),
                         "--samples", str(a.samples), "--rollouts", str(a.rollouts),
-                        "--rollout-steps", str(a.rollout_steps), "--threads", str(a.threads)])
+                        "--rollout-steps", str(a.rollout_steps), "--threads", str(a.threads),
+                        "--guidance", str(a.guidance)])
     if rc:
         return rc
-    report = json.loads((run / "eval" / "report.json").read_text())
+    report = json.loads((ev / "report.json").read_text())
     log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines() if x.strip()] \
         if (run / "log.jsonl").exists() else []
     command = "python -m training.experiment " + shlex.join(own + (["--", *extra] if extra else []))

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from diffusers import AutoencoderTiny
 from tqdm import tqdm
 
 from neuraldoom import autoencoder as AE
 from neuraldoom import metrics
+from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import (
     CheckpointError,
     load_model_dir,
@@ -38,6 +38,7 @@ from neuraldoom.checkpoint import (
 )
 from neuraldoom.config import AutoencoderConfig, parse_args
 from neuraldoom.recording import RecordingError
+from training import trainer
 from training.data import FramePool
 
 
@@ -51,6 +52,7 @@ class Args:
     lr: float = 1e-3
     crop: tuple[int, int] = (64, 80)  # train on crops (fully convolutional; ~2.5x cheaper); 0,0 = frames
     hud_weight: float = 4.0  # loss weight of the status bar: it is game state, not decoration
+    digit_weight: float = 0.0  # loss weight of the status bar's number cells (ammo, health, armor), 160x120
     l1: float = 0.1
     grad_weight: float = 0.0  # L1 on image gradients: MSE alone is minimised by blur (edges, textures)
     adv_weight: float = 0.0  # patch-discriminator (hinge) loss weight, --decoder-only: how TAESD stays sharp
@@ -60,6 +62,7 @@ class Args:
     eval_every: int = 250
     eval_frames: int = 256
     seed: int = 0
+    precision: str = "auto"  # auto (bf16 autocast on a GPU or a CPU with native bf16), fp32, bf16
     threads: int = 1  # torch threads (1 per process: 2 threads on a busy 2-core CPU run slower)
     latent_channels: int = AutoencoderConfig.latent_channels
     encoder_channels: int = AutoencoderConfig.encoder_channels
@@ -72,6 +75,10 @@ def sample_batch(pool: FramePool, rng: np.random.Generator, a: Args, factor: int
     H, W = pool.height, pool.width
     w = torch.ones(1, 1, *x.shape[-2:])
     w[..., metrics.hud_top(H):H, :] = a.hud_weight
+    if a.digit_weight and (H, W) == SB.FRAME_SHAPE[:2]:
+        # ~3% of the pixels that MSE alone lets the decoder draw from memory ("33" on every frame)
+        for x0 in SB.FIELD_X:
+            w[..., SB.ROWS[0]:SB.ROWS[1], x0:x0 + 3 * SB.CELL_W] = a.digit_weight
     w[..., H:, :] = 0  # padding rows carry no loss
     w[..., W:] = 0
     w = w.expand(len(x), -1, -1, -1)
@@ -163,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     eval_frames = held.evenly(a.eval_frames)
 
-    # the device is chosen automatically; bf16 autocast on a GPU (fp32 here: bf16 is no faster on most CPUs)
-    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    try:
+        acc = trainer.accelerator(a.precision)
+    except ValueError as e:
+        print(f"train_autoencoder: {e}", file=sys.stderr)
+        return 2
     try:
         tensors, meta = load_state(state_path) if state_path.exists() else ({}, {})
         if meta:  # resume: the state file alone holds the weights, so a kill mid-save never loses them

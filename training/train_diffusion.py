@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from diffusers import AutoencoderTiny, DDPMScheduler
 from diffusers.training_utils import EMAModel
 from tqdm import tqdm
@@ -43,6 +42,7 @@ from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
 from neuraldoom.denoiser import Denoiser, build_denoiser
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from training import latents as L
+from training import trainer
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Args:
     save_every: float = 300.0  # seconds
     eval_every: int = 250
     seed: int = 0
+    precision: str = "auto"  # auto (bf16 autocast on a GPU or a CPU with native bf16), fp32, bf16
     threads: int = 1
     context: int = DenoiserConfig.context
     reads: int = DenoiserConfig.reads
@@ -119,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.safetensors"
-    # the device is chosen automatically; bf16 autocast on a GPU (fp32 here: bf16 is no faster on most CPUs)
-    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    try:
+        acc = trainer.accelerator(a.precision)
+    except ValueError as e:
+        print(f"train_diffusion: {e}", file=sys.stderr)
+        return 2
     try:
         init = Checkpoint(a.init_from) if a.init_from else None
         ae_dir = Path(a.autoencoder) if a.autoencoder else (init.path / "autoencoder" if init else None)
