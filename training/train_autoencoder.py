@@ -55,7 +55,8 @@ class Args:
     digit_weight: float = 0.0  # loss weight of the status bar's number cells (ammo, health, armor), 160x120
     l1: float = 0.1
     grad_weight: float = 0.0  # L1 on image gradients: MSE alone is minimised by blur (edges, textures)
-    adv_weight: float = 0.0  # patch-discriminator (hinge) loss weight, --decoder-only: how TAESD stays sharp
+    adv_weight: float = 0.0  # patch-discriminator (hinge) loss, relative to the reconstruction loss's gradient
+    # at the decoder's last layer (VQGAN's adaptive weight, so one value fits any loss scale); how TAESD stays sharp
     decoder_only: bool = False  # freeze the encoder, fine-tune the decoder on whole frames
     init_from: str = ""  # an autoencoder folder to start from (e.g. checkpoints/e1m1/autoencoder)
     save_every: float = 120.0  # seconds
@@ -261,8 +262,13 @@ def main(argv: list[str] | None = None) -> int:
             d_loss.backward()
             dopt.step()
             disc.requires_grad_(False)
-            loss = loss - a.adv_weight * disc(fake).mean()
+            g_loss = -disc(fake).mean()
             disc.requires_grad_(True)
+            last = raw.decoder.layers[-1].weight
+            rg = torch.autograd.grad(loss, last, retain_graph=True)[0]
+            ag = torch.autograd.grad(g_loss, last, retain_graph=True)[0]
+            lam = (rg.norm() / (ag.norm() + 1e-4)).clamp(max=1e4).detach()
+            loss = loss + a.adv_weight * lam * g_loss
         opt.zero_grad(set_to_none=True)
         acc.backward(loss)
         acc.clip_grad_norm_(ae.parameters(), 1.0)
