@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -24,8 +23,8 @@ import numpy as np
 
 from . import metrics as M
 from .actions import NOOP, Action, StickyRandomPolicy
-from .client import TICS_PER_SECOND, _shadowed, check_display
-from .recording import Recording
+from .recording import Recording, unwritable
+from .window import TICS_PER_SECOND, Window, check_display
 
 WARMUP_SPREAD = 80  # random extra real steps before a random-play clip, so clips start in different places
 PAPER = {1.6: 0.58, 3.2: 0.60}
@@ -142,88 +141,75 @@ def sharper_rater(clip: Clip) -> str:
     return "A" if M.gradient_energy(clip.a) >= M.gradient_energy(clip.b) else "B"
 
 
-class HumanRater:
-    """A pygame window: plays clip A, then clip B, then waits for 1/A or 2/B (Space replays, Esc quits).
+class PairView:
+    """One clip pair in the window: clip A, a pause, clip B, a pause, then the question until answered.
 
-    An answer key is taken at any moment, also while the clips play.
+    1/A or 2/B answers at any moment, also while the clips play; Space at the question replays them.
     """
 
-    def __init__(self, height: int, width: int, scale: int = 4, fps: float = 17.5, headless: bool = False) -> None:
-        check_display(headless)
-        if headless:
-            os.environ["SDL_VIDEODRIVER"] = "dummy"
-        os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+    prefix = "neuraldoom-ab"
+
+    def __init__(self, clip: Clip, number: int, total: int, gap: int) -> None:
         import pygame
 
-        self.pg = pygame
-        pygame.display.init()
-        pygame.font.init()
-        self.W, self.H, self.s = width, height, scale
-        self.screen = pygame.display.set_mode((width * scale, height * scale))
-        pygame.display.set_caption("neuraldoom A/B test: which clip is the real game?")
-        self.small = pygame.Surface((width, height), 0, self.screen)
-        self.font = pygame.font.Font(None, max(18, 7 * scale))
-        self.period = 0.0 if headless else 1.0 / fps
-        self.keys = {pygame.K_1: "A", pygame.K_a: "A", pygame.K_KP1: "A",
-                     pygame.K_2: "B", pygame.K_b: "B", pygame.K_KP2: "B"}
+        self.keys = {pygame.K_1: "A", pygame.K_a: "A", pygame.K_KP1: "A", pygame.K_2: "B", pygame.K_b: "B",
+                     pygame.K_KP2: "B", pygame.K_SPACE: "replay"}
+        end = [None] * gap  # "end of clip" shown for `gap` ticks
+        self.timeline = ([(f, f"clip A   ({number}/{total})") for f in clip.a] + [(f, "end of clip A") for f in end]
+                         + [(f, f"clip B   ({number}/{total})") for f in clip.b] + [(f, "end of clip B") for f in end])
+        self.pos, self.answer = -1, None  # pos: the timeline entry on screen; past its end, the question
 
-    def _poll(self) -> str | None:
-        """'A', 'B', 'quit', 'replay' or None, from pending events."""
-        pg = self.pg
-        for event in pg.event.get():
-            if event.type == pg.QUIT:
-                return "quit"
-            if event.type == pg.KEYDOWN:
-                key = getattr(event, "key", None)
-                if key == pg.K_ESCAPE:
-                    return "quit"
-                if key == pg.K_SPACE:
-                    return "replay"
-                if key in self.keys:
-                    return self.keys[key]
-        return None
+    @property
+    def steps(self) -> int:
+        return max(self.pos, 0)
 
-    def _show(self, frame: np.ndarray | None, lines: list[str]) -> None:
-        pg = self.pg
-        self.screen.fill((0, 0, 0))
-        if frame is not None:
-            self.small.blit(pg.image.frombuffer(np.ascontiguousarray(frame), (self.W, self.H), "RGB"), (0, 0))
-            pg.transform.scale(self.small, (self.W * self.s, self.H * self.s), self.screen)
-        y = 6
-        for line in lines:
-            img = _shadowed(self.font, line)
-            self.screen.blit(img, (6, y))
-            y += img.get_height()
-        pg.display.flip()
+    @property
+    def done(self) -> bool:
+        return self.answer is not None
+
+    def start(self, win: Window) -> None:
+        pass
+
+    def command(self, cmd: str, win: Window) -> None:
+        if cmd in ("A", "B"):
+            self.answer = cmd
+        elif cmd == "replay" and self.pos >= len(self.timeline):
+            self.pos = -1
+
+    def advance(self, win: Window) -> None:
+        if not win.paused and self.pos < len(self.timeline):
+            self.pos += 1
+
+    def draw(self, win: Window) -> None:
+        win.clear()
+        if self.pos < len(self.timeline):
+            frame, label = self.timeline[self.pos]
+            if frame is not None:
+                win.draw_frame(frame)
+            lines = [label]
+        else:
+            lines = ["Which clip was the real game?", "1 / A   or   2 / B", "Space: replay   Esc: quit"]
+        win.text(lines, (6, 6))
+
+
+class HumanRater:
+    """A window that plays clip A, then clip B, then waits for 1/A or 2/B (Space replays, Esc quits)."""
+
+    def __init__(self, height: int, width: int, scale: int = 4, fps: float = 17.5, headless: bool = False) -> None:
+        self.win = Window("neuraldoom A/B test: which clip is the real game?", scale, headless, max(18, 7 * scale))
+        self.win.resize((width * scale, height * scale))
+        self.fps, self.headless = fps, headless
 
     def __call__(self, clip: Clip, number: int, total: int) -> str | None:
         """The rater's answer 'A' or 'B' for this clip, or None when they quit."""
-        while True:
-            for name, frames in (("A", clip.a), ("B", clip.b)):
-                for f in frames:
-                    got = self._poll()
-                    if got in ("A", "B") or got == "quit":
-                        return None if got == "quit" else got
-                    self._show(f, [f"clip {name}   ({number}/{total})"])
-                    if self.period:
-                        time.sleep(self.period)
-                self._show(None, [f"end of clip {name}"])
-                if self.period:
-                    time.sleep(0.4)
-            prompt = ["Which clip was the real game?", "1 / A   or   2 / B", "Space: replay   Esc: quit"]
-            self._show(None, prompt)
-            while True:
-                got = self._poll()
-                if got == "quit":
-                    return None
-                if got in ("A", "B"):
-                    return got
-                if got == "replay":
-                    break
-                time.sleep(0.02)
+        view = PairView(clip, number, total, gap=max(1, round(0.4 * self.fps)))
+        how = self.win.run(view, fps=0.0 if self.headless else self.fps)
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        return view.answer if how == "done" else None
 
     def close(self) -> None:
-        self.pg.quit()
+        self.win.close()
 
 
 def run_abtest(checkpoint: str | Path, clips: int = 10, seconds: float = 1.6, answers: str | Path = "abtest.jsonl",
@@ -236,8 +222,9 @@ def run_abtest(checkpoint: str | Path, clips: int = 10, seconds: float = 1.6, an
     if seconds <= 0:
         raise AbtestError(f"--seconds must be > 0, got {seconds}")
     answers = Path(answers)
-    if answers.is_dir():
-        raise AbtestError(f"cannot append answers to {answers}: it is a folder")
+    why = unwritable(answers, folder=False)  # before anything starts
+    if why:
+        raise AbtestError(f"cannot append answers to {answers}: {why}")
     if not auto and rater is None:
         check_display(headless)  # before the engines start
     from .checkpoint import Checkpoint
@@ -256,17 +243,22 @@ def run_abtest(checkpoint: str | Path, clips: int = 10, seconds: float = 1.6, an
     seed = int(np.random.default_rng().integers(2**31 - 1)) if seed is None else seed
     rng = np.random.default_rng(seed)
     T = clip_frames(seconds, ckpt.game.frame_skip)
-    neural = NeuralEngine(ckpt, compile=compile, seed=seed)
-    real = RealGame(game)
-    if rater is None:
-        rater = (lambda clip, i, n: sharper_rater(clip)) if auto else HumanRater(
-            ckpt.game.height, ckpt.game.width, scale, TICS_PER_SECOND / ckpt.game.frame_skip, headless)
     rater_name = "auto-sharpness" if auto else getattr(rater, "name", "human")
     session = time.strftime("%Y%m%dT%H%M%S") + f"-{seed}"
     got: list[dict[str, Any]] = []
-    answers.parent.mkdir(parents=True, exist_ok=True)
+    neural = real = None
     try:
-        with open(answers, "a") as f:
+        neural = NeuralEngine(ckpt, compile=compile, seed=seed)
+        real = RealGame(game)
+        if rater is None:
+            rater = (lambda clip, i, n: sharper_rater(clip)) if auto else HumanRater(
+                ckpt.game.height, ckpt.game.width, scale, TICS_PER_SECOND / ckpt.game.frame_skip, headless)
+        try:
+            answers.parent.mkdir(parents=True, exist_ok=True)
+            f = open(answers, "a")
+        except OSError as e:
+            raise AbtestError(f"cannot append answers to {answers}: {e.strerror}") from None
+        with f:
             for clip in make_clips(real, neural, clips, T, rng, seed, rec):
                 t0 = time.perf_counter()
                 answer = rater(clip, clip.index + 1, clips)
@@ -284,16 +276,17 @@ def run_abtest(checkpoint: str | Path, clips: int = 10, seconds: float = 1.6, an
                     "checkpoint": str(checkpoint), "source": f"recording:{rec.path}" if rec else "random",
                     "actions": [[a.buttons, a.turn] for a in clip.actions],
                 }
-                f.write(json.dumps(row) + "\n")
-                f.flush()
+                try:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                except OSError as e:
+                    raise AbtestError(f"cannot append answers to {answers}: {e.strerror}") from None
                 got.append(row)
-    except OSError as e:
-        raise AbtestError(f"cannot append answers to {answers}: {e.strerror}") from None
     finally:
-        real.close()
-        close = getattr(rater, "close", None)
-        if close is not None:
-            close()
+        for thing in (real, neural, rater):
+            close = getattr(thing, "close", None)
+            if close is not None:
+                close()
     return {"session": session, "seconds": seconds, "frames": T, "rater": rater_name,
             "answers_file": str(answers), **summarize(got)}
 
@@ -309,5 +302,5 @@ def summary_line(s: dict[str, Any]) -> str:
             f"answers appended to {s['answers_file']}")
 
 
-__all__ = ["run_abtest", "wilson", "summarize", "read_answers", "make_clips", "sharper_rater", "HumanRater",
+__all__ = ["run_abtest", "wilson", "summarize", "read_answers", "make_clips", "sharper_rater", "HumanRater", "PairView",
            "Clip", "AbtestError", "summary_line"]

@@ -238,7 +238,7 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
                         "R re-sync, L layout, N single step")
     g = p.add_argument_group("real engine game (GameConfig)")
     g.add_argument("--wad", default=None, help=f"default {GameConfig.wad}")
-    g.add_argument("--scenario", default=None, help="a shipped scenario name or a .wad/.cfg path")
+    g.add_argument("--scenario", default=None, help="a shipped scenario name or a .wad path")
     g.add_argument("--map", default=None, help=f"default {GameConfig.map}")
     g.add_argument("--width", type=int, default=None, help=f"default {GameConfig.width}")
     g.add_argument("--height", type=int, default=None, help=f"default {GameConfig.height}")

@@ -1,4 +1,4 @@
-"""The pygame play loop. It knows only the engine protocol, never the model or ViZDoom:
+"""The play view: one engine in the window. It knows only the engine protocol, never the model or ViZDoom:
 
     engine.reset(seed: int | None) -> frame (H, W, 3) uint8
     engine.step(action: Action)    -> frame
@@ -7,15 +7,13 @@
     engine.variables (optional)    game variables, recorded with each step
     engine.close()
 
-One loop iteration = read events -> one Action -> (record frame t + action t) -> engine.step -> draw.
+One tick = (record frame t + action t) -> engine.step -> draw; the window (`window.py`) reads the events,
+draws, paces and quits.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +23,8 @@ import numpy as np
 
 from .actions import Action
 from .config import GameConfig
-from .recording import RecordingWriter
-
-TICS_PER_SECOND = 35
+from .recording import RecordingWriter, unwritable
+from .window import TICS_PER_SECOND, ClientError, Window, check_display, display_available
 
 
 class Engine(Protocol):
@@ -37,10 +34,6 @@ class Engine(Protocol):
     def reset(self, seed: int | None = None) -> np.ndarray: ...
     def step(self, action: Action) -> np.ndarray: ...
     def close(self) -> None: ...
-
-
-class ClientError(RuntimeError):
-    """The client cannot run as asked: no display, an unwritable recording folder…"""
 
 
 @dataclass(frozen=True)
@@ -57,16 +50,12 @@ class ClientOptions:
     sensitivity: float = 0.25  # mouse: degrees of turn per pixel
     overlay: bool = True
 
+    def rate(self, frame_skip: int) -> float:
+        """Steps per second to pace to; 0 (as fast as possible) headless or uncapped."""
+        return 0.0 if (self.headless or self.uncapped) else (self.fps or TICS_PER_SECOND / frame_skip)
 
-def display_available() -> bool:
-    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("SDL_VIDEODRIVER"))
-
-
-def check_display(headless: bool) -> None:
-    """Fail early, before any engine starts, when a window cannot be opened."""
-    if not headless and not display_available():
-        raise ClientError("no display to open a window on (DISPLAY/WAYLAND_DISPLAY unset); "
-                          "use --headless, or run under Xvfb")
+    def first_seed(self) -> int:
+        return self.seed if self.seed is not None else int(np.random.default_rng().integers(2**31 - 1))
 
 
 def check_record_path(path: str | Path | None) -> None:
@@ -77,44 +66,11 @@ def check_record_path(path: str | Path | None) -> None:
     if path is None:
         return
     p = Path(path).absolute()
-    if p.exists():
-        if not p.is_dir():
-            raise ClientError(f"cannot record to {p}: it is a file, not a folder")
-        if (p / "meta.json").exists():
-            raise ClientError(f"cannot record to {p}: it already holds a recording; choose a new folder")
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ClientError(f"cannot record to {p}: folder is not writable")
-        return
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ClientError(f"cannot record to {p}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ClientError(f"cannot record to {p}: {parent} is not writable")
-
-
-class _Timer:
-    """Rolling rate over the last second or so, for the overlay."""
-
-    def __init__(self, n: int = 32) -> None:
-        self.times: deque[float] = deque(maxlen=n)
-
-    def tick(self, t: float) -> None:
-        self.times.append(t)
-
-    def rate(self) -> float:
-        if len(self.times) < 2:
-            return 0.0
-        return (len(self.times) - 1) / max(self.times[-1] - self.times[0], 1e-9)
-
-
-def save_screenshot(pygame: Any, screen: Any, prefix: str, step: int) -> Path:
-    """F12: the window as a PNG in the current folder."""
-    shot = Path(f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{step}.png")
-    pygame.image.save(screen, str(shot))
-    print(f"neuraldoom: screenshot {shot}", file=sys.stderr)
-    return shot
+    if (p / "meta.json").exists():
+        raise ClientError(f"cannot record to {p}: it already holds a recording; choose a new folder")
+    why = unwritable(p)
+    if why:
+        raise ClientError(f"cannot record to {p}: {why}")
 
 
 def input_source(opts: ClientOptions, frame_skip: int) -> Any:
@@ -128,6 +84,77 @@ def input_source(opts: ClientOptions, frame_skip: int) -> Any:
     raise ClientError(f"unknown input {opts.input!r}; use keyboard or random")
 
 
+def open_window(opts: ClientOptions, caption: str, source: Any, font_size: int) -> Window:
+    """The window for a play session: headless or not, mouse grabbed for keyboard play, overlay as asked."""
+    from . import controls
+
+    return Window(caption, opts.scale, opts.headless, font_size,
+                  grab_mouse=isinstance(source, controls.KeyboardMouse), overlay=opts.overlay)
+
+
+class PlayView:
+    """One engine, the whole window; the overlay shows speed, step time, seed and the current action."""
+
+    keys: dict[int, str] = {}
+    prefix = "neuraldoom"
+
+    def __init__(self, engine: Engine, opts: ClientOptions, source: Any, seed: int,
+                 on_step: Callable[[int, Action, np.ndarray], None] | None = None) -> None:
+        self.engine, self.opts, self.source, self.seed, self.on_step = engine, opts, source, seed, on_step
+        self.writer: RecordingWriter | None = None
+        self.steps = self.episodes = 0
+        self.engine_s = 0.0  # engine steps and resets (+ on_step), for the summary's breakdown
+        self.last_step_ms = 0.0
+        self.action = Action()
+
+    @property
+    def done(self) -> bool:
+        return self.opts.frames is not None and self.steps >= self.opts.frames
+
+    def start(self, win: Window) -> None:
+        self.frame = self.engine.reset(self.seed)
+        if self.opts.record is not None:
+            self.writer = RecordingWriter(self.opts.record, self.engine.cfg, engine=self.opts.engine_name,
+                                          extra={"source": "client", "input": self.opts.input})
+            self.writer.new_episode(self.seed)
+        self.episodes = 1
+
+    def command(self, cmd: str, win: Window) -> None:
+        pass
+
+    def advance(self, win: Window) -> None:
+        if win.paused:
+            return
+        self.action = self.source.action()
+        if self.writer is not None:  # row t: frame t, action t
+            self.writer.add(self.frame, self.action, getattr(self.engine, "variables", None))
+        t0 = time.perf_counter()
+        self.frame = self.engine.step(self.action)
+        self.steps += 1
+        if self.engine.done:
+            self.seed += 1
+            self.frame = self.engine.reset(self.seed)
+            self.episodes += 1
+            if self.writer is not None:
+                self.writer.new_episode(self.seed)
+        if self.on_step is not None:
+            self.on_step(self.steps - 1, self.action, self.frame)
+        dt = time.perf_counter() - t0
+        self.engine_s += dt
+        self.last_step_ms = dt * 1e3
+
+    def draw(self, win: Window) -> None:
+        H, W = self.frame.shape[:2]  # an engine may change size between episodes
+        win.resize((W * win.scale, H * win.scale))
+        win.draw_frame(self.frame)
+        if win.overlay:
+            fps = win.fps
+            win.text([f"{fps:5.1f} FPS  {0.0 if win.paused else fps:5.1f} steps/s  step {self.last_step_ms:5.1f} ms"
+                      f"  {self.opts.engine_name}  seed {self.seed}{'  REC' if self.writer else ''}"
+                      f"{'  PAUSED' if win.paused else ''}", str(self.action)]
+                     + ([win.controls.HELP] if win.help else []))
+
+
 def run(engine: Engine, opts: ClientOptions = ClientOptions(),
         on_step: Callable[[int, Action, np.ndarray], None] | None = None) -> dict[str, Any]:
     """Play `engine` in a window (or headless) until quit or `opts.frames` steps; return run stats.
@@ -137,144 +164,25 @@ def run(engine: Engine, opts: ClientOptions = ClientOptions(),
     """
     check_display(opts.headless)
     check_record_path(opts.record)
-    if opts.headless:
-        os.environ["SDL_VIDEODRIVER"] = "dummy"  # before pygame opens the video subsystem
-    os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
-    import pygame
-
-    from . import controls
-
-    cfg = engine.cfg
-    source = input_source(opts, cfg.frame_skip)
-    period = 0.0
-    if not (opts.headless or opts.uncapped):
-        period = 1.0 / (opts.fps or TICS_PER_SECOND / cfg.frame_skip)
-    seed = opts.seed if opts.seed is not None else int(np.random.default_rng().integers(2**31 - 1))
-
-    pygame.display.init()
-    pygame.font.init()
-    writer: RecordingWriter | None = None
-    stats: dict[str, Any] = {"steps": 0, "episodes": 0, "quit": "frames"}
-    t_step = t_draw = t_other = 0.0
-    t_start = time.perf_counter()
+    source = input_source(opts, engine.cfg.frame_skip)
+    view = PlayView(engine, opts, source, opts.first_seed(), on_step)
     try:
-        frame = engine.reset(seed)
-        H, W = frame.shape[:2]
-        size = (W * opts.scale, H * opts.scale)
-        screen = pygame.display.set_mode(size)
-        small = pygame.Surface((W, H), 0, screen)  # same format as the screen, so scale() can write into it
-        pygame.display.set_caption(f"neuraldoom ({opts.engine_name})")
-        font = pygame.font.Font(None, max(16, 6 * opts.scale))
-        keyboard = isinstance(source, controls.KeyboardMouse)
-        if keyboard and not opts.headless:
-            _capture_mouse(pygame, True)
-        if opts.record is not None:
-            writer = RecordingWriter(opts.record, cfg, engine=opts.engine_name,
-                                     extra={"source": "client", "input": opts.input})
-            writer.new_episode(seed)
-        stats["episodes"] = 1
-        show_overlay, show_help, paused, captured = opts.overlay, False, False, keyboard
-        fps_timer, step_timer = _Timer(), _Timer()
-        overlay_cache: tuple[str, list[Any]] = ("", [])
-        last_step_ms = 0.0
-        action = Action()
-        next_t = t_start = time.perf_counter()
-        while opts.frames is None or stats["steps"] < opts.frames:
-            t0 = time.perf_counter()
-            # -- input ------------------------------------------------------------------------
-            quit_now = False
-            for event in pygame.event.get():
-                cmd = source.handle(event)
-                if cmd == controls.QUIT:
-                    quit_now = True
-                elif cmd == controls.OVERLAY:  # overlay -> overlay + help -> nothing
-                    show_overlay, show_help = (True, True) if show_overlay and not show_help else (
-                        (False, False) if show_overlay else (True, False))
-                elif cmd == controls.PAUSE:
-                    paused = not paused
-                elif cmd == controls.SCREENSHOT:
-                    save_screenshot(pygame, screen, "neuraldoom", stats["steps"])
-                elif cmd == controls.MOUSE and keyboard and not opts.headless:
-                    captured = not captured
-                    _capture_mouse(pygame, captured)
-            if quit_now:
-                stats["quit"] = "user"
-                break
-            t1 = time.perf_counter()
-            # -- step -------------------------------------------------------------------------
-            if not paused:
-                action = source.action()
-                if writer is not None:
-                    writer.add(frame, action, getattr(engine, "variables", None))  # row t: frame t, action t
-                t1 = time.perf_counter()
-                frame = engine.step(action)
-                stats["steps"] += 1
-                if engine.done:
-                    seed += 1
-                    frame = engine.reset(seed)
-                    stats["episodes"] += 1
-                    if writer is not None:
-                        writer.new_episode(seed)
-                if on_step is not None:
-                    on_step(stats["steps"] - 1, action, frame)
-            t2 = time.perf_counter()
-            if not paused:
-                last_step_ms = (t2 - t1) * 1e3
-                step_timer.tick(t2)
-            # -- draw -------------------------------------------------------------------------
-            if frame.shape[:2] != (H, W):  # an engine may change size between episodes
-                H, W = frame.shape[:2]
-                size = (W * opts.scale, H * opts.scale)
-                screen = pygame.display.set_mode(size)
-                small = pygame.Surface((W, H), 0, screen)
-            # frame -> a small surface in the screen's pixel format -> nearest upscale straight into the screen
-            small.blit(pygame.image.frombuffer(np.ascontiguousarray(frame), (W, H), "RGB"), (0, 0))
-            pygame.transform.scale(small, size, screen)
-            if show_overlay:
-                text = (f"{fps_timer.rate():5.1f} FPS  {step_timer.rate():5.1f} steps/s  "
-                        f"step {last_step_ms:5.1f} ms  {opts.engine_name}  seed {seed}"
-                        f"{'  REC' if writer else ''}{'  PAUSED' if paused else ''}\n{action}")
-                if show_help:
-                    text += "\n" + controls.HELP
-                if text != overlay_cache[0]:
-                    overlay_cache = (text, [_shadowed(font, line) for line in text.split("\n")])
-                y = 4
-                for img in overlay_cache[1]:
-                    screen.blit(img, (4, y))
-                    y += img.get_height()
-            pygame.display.flip()
-            t3 = time.perf_counter()
-            fps_timer.tick(t3)
-            t_step += t2 - t1
-            t_draw += t3 - t2
-            t_other += t1 - t0
-            # -- pace -------------------------------------------------------------------------
-            if period:
-                next_t += period
-                delay = next_t - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                elif delay < -period:  # fell behind (slow engine, window dragged): do not race to catch up
-                    next_t = time.perf_counter()
-        wall = time.perf_counter() - t_start
-    except KeyboardInterrupt:
-        stats["quit"] = "interrupt"
-        wall = time.perf_counter() - t_start
+        with open_window(opts, f"neuraldoom ({opts.engine_name})", source, max(16, 6 * opts.scale)) as win:
+            how = win.run(view, source, opts.rate(engine.cfg.frame_skip))
     finally:
-        if writer is not None:
-            writer.close()
-        pygame.quit()
-    n = max(stats["steps"], 1)
-    stats.update(
-        seconds=wall,
-        loop_ms=wall * 1e3 / n,
-        step_ms=t_step * 1e3 / n,
-        draw_ms=t_draw * 1e3 / n,
-        other_ms=t_other * 1e3 / n,  # events, action, recording
-        steps_per_s=stats["steps"] / wall if wall else 0.0,
-        record=str(opts.record) if opts.record is not None else None,
-    )
-    return stats
+        if view.writer is not None:
+            view.writer.close()
+    n, wall, t = max(view.steps, 1), win.seconds, win.timings
+    return {
+        "steps": view.steps, "episodes": view.episodes, "quit": {"done": "frames"}.get(how, how),
+        "seconds": wall,
+        "loop_ms": wall * 1e3 / n,
+        "step_ms": view.engine_s * 1e3 / n,
+        "draw_ms": t["draw"] * 1e3 / n,
+        "other_ms": (t["events"] + t["advance"] - view.engine_s) * 1e3 / n,  # events, action, recording
+        "steps_per_s": view.steps / wall if wall else 0.0,
+        "record": str(opts.record) if opts.record is not None else None,
+    }
 
 
 def summary_line(stats: dict[str, Any]) -> str:
@@ -286,25 +194,5 @@ def summary_line(stats: dict[str, Any]) -> str:
     return line
 
 
-def _shadowed(font: Any, text: str) -> Any:
-    """Text with a 1-pixel dark shadow, readable on any frame."""
-    import pygame
-
-    fg = font.render(text, True, (255, 255, 120))
-    img = pygame.Surface((fg.get_width() + 1, fg.get_height() + 1), pygame.SRCALPHA)
-    img.blit(font.render(text, True, (0, 0, 0)), (1, 1))
-    img.blit(fg, (0, 0))
-    return img
-
-
-def _capture_mouse(pygame: Any, on: bool) -> None:
-    """Relative mouse mode: the pointer is hidden and grabbed, motion arrives as `rel`."""
-    try:
-        pygame.mouse.set_relative_mode(on)
-    except (AttributeError, pygame.error):
-        pygame.event.set_grab(on)
-        pygame.mouse.set_visible(not on)
-
-
-__all__ = ["ClientError", "ClientOptions", "Engine", "run", "summary_line", "check_display", "check_record_path",
-           "display_available"]
+__all__ = ["ClientError", "ClientOptions", "Engine", "PlayView", "run", "summary_line", "check_display",
+           "check_record_path", "display_available", "input_source", "open_window", "TICS_PER_SECOND"]

@@ -88,6 +88,8 @@ def resolve_wad(cfg: GameConfig) -> tuple[str, str]:
     scenario = ""
     if cfg.scenario:
         s = Path(cfg.scenario)
+        if s.suffix.lower() == ".cfg":
+            raise GameError(cfg_refusal(s))
         if not s.suffix:
             s = root / "scenarios" / f"{cfg.scenario}.wad"
         if not s.is_file():
@@ -95,6 +97,25 @@ def resolve_wad(cfg: GameConfig) -> tuple[str, str]:
             raise GameError(f"unknown scenario {cfg.scenario!r}; shipped scenarios: {known}")
         scenario = str(s)
     return str(wad), scenario
+
+
+def cfg_refusal(path: Path) -> str:
+    """Why a ViZDoom .cfg is not taken as a scenario (its buttons, variables and screen would fight the
+    game's own), naming the WAD and map it points to when it can be read."""
+    found = {}
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            key, eq, value = line.split("#", 1)[0].partition("=")
+            key = key.strip().lower().replace("_", "")
+            if eq and key in ("doomscenariopath", "doommap"):
+                found[key] = value.strip()
+    except OSError:
+        pass
+    hint = ""
+    if "doomscenariopath" in found:  # ViZDoom's own default map is MAP01
+        wad = path.parent / found["doomscenariopath"]
+        hint = f"; it plays {wad} map {found.get('doommap', 'map01').upper()}: give that WAD and map instead"
+    return f"scenario {str(path)!r} is a ViZDoom .cfg, not a shipped scenario name or a .wad{hint}"
 
 
 def wad_maps(path: str) -> set[str]:

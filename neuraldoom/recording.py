@@ -186,28 +186,88 @@ class Recording:
 
     def export_mp4(self, out: str | Path, fps: float | None = None, scale: int = 2) -> Path:
         """Write the frames to an H.264 MP4 (imageio-ffmpeg), nearest-neighbour upscaled."""
+        target = Path(out).absolute()
+        if target.parent.resolve() == self.path.resolve() and target.name in RECORDING_FILES:
+            raise RecordingError(f"cannot write a video to {target}: it is part of the recording")
         return write_mp4(out, (f for f in self.frames), fps or 35 / self.game.frame_skip, scale)
 
 
+RECORDING_FILES = ("meta.json", "frames.u8", "steps.bin")
+
+
+def unwritable(path: str | Path, folder: bool = True) -> str | None:
+    """Why `path` (a folder to write into, or with folder=False a file to write) cannot be written, or None.
+
+    Creates nothing. Only a first check, before anything starts: root ignores permissions, so writers still
+    turn OSError into a one-line error.
+    """
+    p = Path(path).absolute()
+    if p.exists():
+        if folder != p.is_dir():
+            return "it is a file, not a folder" if folder else "it is a folder"
+        if not os.access(p, os.W_OK | (os.X_OK if folder else 0)):
+            return "folder is not writable" if folder else "file is not writable"
+        return None
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
+
+
 def write_mp4(out: str | Path, frames: Iterator[np.ndarray], fps: float, scale: int = 2) -> Path:
+    """Encode `frames` to `out`. Written to a hidden file beside it first, so a failed or interrupted run
+    leaves an existing `out` as it was; every failure to write is a RecordingError."""
     import imageio_ffmpeg
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    why = unwritable(out, folder=False)
+    if why:
+        raise RecordingError(f"cannot write a video to {out}: {why}")
+    tmp = out.with_name(f".{out.stem}.partial{out.suffix or '.mp4'}")  # ffmpeg picks the format by suffix
+
+    def failed(e: OSError) -> RecordingError:
+        why = e.strerror or "ffmpeg stopped (a format it does not know from the name, or a full disk?)"
+        return RecordingError(f"cannot write a video to {out}: {why}")
+
     writer = None
     try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.open("wb").close()  # ffmpeg would only say so on stderr, and carry on
+        except OSError as e:
+            raise failed(e) from None
         for f in frames:
             f = np.asarray(f)
             if scale > 1:
                 f = f.repeat(scale, 0).repeat(scale, 1)
-            if writer is None:
-                writer = imageio_ffmpeg.write_frames(str(out), (f.shape[1], f.shape[0]), fps=fps,
-                                                     macro_block_size=1, quality=8)
-                writer.send(None)
-            writer.send(np.ascontiguousarray(f))
+            try:
+                if writer is None:
+                    writer = imageio_ffmpeg.write_frames(str(tmp), (f.shape[1], f.shape[0]), fps=fps,
+                                                         macro_block_size=1, quality=8, ffmpeg_log_level="quiet")
+                    writer.send(None)
+                writer.send(np.ascontiguousarray(f))
+            except OSError as e:
+                raise failed(e) from None
+        if writer is None:
+            raise RecordingError(f"no frames to write to {out}")
+        try:
+            writer.close()
+            if tmp.stat().st_size == 0:
+                raise RecordingError(f"cannot write a video to {out}: ffmpeg wrote nothing")
+            os.replace(tmp, out)
+        except OSError as e:
+            raise failed(e) from None
     finally:
         if writer is not None:
             writer.close()
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     return out
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import metrics as M
 from .actions import NOOP, Action
-from .recording import Recording, RecordingError, write_mp4
+from .recording import Recording, RecordingError, unwritable, write_mp4
 
 ENGINES = ("real", "neural", "both")
 UNDER_DB = 20.0
@@ -111,11 +111,18 @@ def run_replay(path: str | Path, engine: str = "both", checkpoint: str | Path | 
         raise RecordingError(f"--warmup must be >= 1 (the neural engine needs a frame to start from), got {warmup}")
     if resync_every < 0:
         raise RecordingError(f"--resync-every must be >= 0, got {resync_every}")
+    outdir = Path(out) if out is not None else None
+    why = unwritable(outdir) if outdir is not None else None
+    if why:  # before any engine starts
+        raise RecordingError(f"cannot write the replay to {outdir}: {why}")
     rec = Recording(path)
     if len(rec) == 0:
         raise RecordingError(f"{rec.path} holds no frames to replay")
     rec_engine = rec.meta.get("engine", "real")
     seeded = has_seeds(rec)
+    if not seeded and engine == "real":
+        raise RecordingError(f"{rec.path} has no game seed: the real game cannot replay it "
+                             "(--engine neural replays it against the recorded frames)")
     if not seeded and engine != "neural":
         warn(f"{rec.path} has no game seed: the real game cannot replay it; replaying through the neural "
              "engine only, against the recorded frames")
@@ -160,17 +167,20 @@ def run_replay(path: str | Path, engine: str = "both", checkpoint: str | Path | 
                 resyncs.append(t)
             yield np.concatenate([ref, np.zeros((ref.shape[0], GAP, 3), np.uint8), rep], 1)
 
-    outdir = Path(out) if out is not None else None
     try:
         if outdir is not None:
-            outdir.mkdir(parents=True, exist_ok=True)
+            try:
+                outdir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RecordingError(f"cannot write the replay to {outdir}: {e.strerror}") from None
             write_mp4(outdir / "replay.mp4", frames(), 35 / rec.game.frame_skip, scale=2)
         else:
             for _ in frames():
                 pass
     finally:
-        if real is not None:
-            real.close()
+        for eng in (real, neural):
+            if eng is not None:
+                eng.close()
 
     under = np.flatnonzero(generated & (psnr < UNDER_DB))
     report: dict[str, Any] = {
@@ -197,8 +207,11 @@ def run_replay(path: str | Path, engine: str = "both", checkpoint: str | Path | 
         "generated": generated.tolist(),
     }
     if outdir is not None:
-        (outdir / "replay.json").write_text(json.dumps(report, indent=1))
-        _plot(outdir / "psnr.png", report)
+        try:
+            (outdir / "replay.json").write_text(json.dumps(report, indent=1))
+            _plot(outdir / "psnr.png", report)
+        except OSError as e:
+            raise RecordingError(f"cannot write the replay to {outdir}: {e.strerror}") from None
         report["files"] = [str(outdir / f) for f in ("replay.mp4", "psnr.png", "replay.json")]
     return report
 

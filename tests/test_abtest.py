@@ -98,3 +98,45 @@ def test_cli_abtest_auto(tiny_checkpoint, tmp_path, capsys):
     rc = cli.main(["abtest", "--auto", "--clips", "0", "--checkpoint", str(tiny_checkpoint)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--clips" in err[0]
+
+
+@pytest.mark.parametrize("where, contains", [("afile/sub/answers.jsonl", "is a file, not a folder"),
+                                             ("adir", "it is a folder"),
+                                             ("/proc/neuraldoom-abtest/answers.jsonl", "cannot append answers to")])
+def test_answers_where_they_cannot_be_written_is_one_line(tiny_checkpoint, tmp_path, capsys, where, contains):
+    (tmp_path / "afile").write_text("keep me")
+    (tmp_path / "adir").mkdir()
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    answers = where if where.startswith("/") else str(tmp_path / where)
+    rc = cli.main(["abtest", "--auto", "--clips", "1", "--seconds", "0.2", "--seed", "0", "--no-compile",
+                   "--checkpoint", str(tiny_checkpoint), "--answers", answers])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("neuraldoom: ") and contains in err[0], err
+    assert (tmp_path / "afile").read_text() == "keep me"
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_human_rater_plays_a_then_b_then_asks(tmp_path, monkeypatch):
+    rater = abtest.HumanRater(120, 160, scale=1, headless=True)
+    shown = []
+    real_draw = abtest.PairView.draw
+
+    def draw(view, win):
+        real_draw(view, win)
+        shown.append(view.timeline[view.pos][1] if view.pos < len(view.timeline) else "question")
+        if len(shown) == 23:  # at the question: Space replays, then answer 1 during clip A
+            pygame.event.post(pygame.event.Event(pygame.KEYDOWN, key=pygame.K_SPACE, mod=0))
+        if len(shown) == 25:
+            pygame.event.post(pygame.event.Event(pygame.KEYDOWN, key=pygame.K_1, mod=0))
+
+    monkeypatch.setattr(abtest.PairView, "draw", draw)
+    try:
+        assert rater(clip("A"), 2, 5) == "A"
+    finally:
+        rater.close()
+    gap = round(0.4 * 17.5)
+    assert shown[:3] == ["clip A   (2/5)"] * 3 and shown[3:3 + gap] == ["end of clip A"] * gap
+    assert shown[3 + gap:6 + gap] == ["clip B   (2/5)"] * 3 and shown[6 + gap:6 + 2 * gap] == ["end of clip B"] * gap
+    assert 6 + 2 * gap == 20 and shown[20:23] == ["question"] * 3
+    assert shown[23:] == ["clip A   (2/5)"] * 2, "Space replays from clip A; 1 answers during the clip"

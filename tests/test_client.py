@@ -184,3 +184,37 @@ def test_client_plays_the_neural_engine_headless(tiny_checkpoint, tmp_path, caps
                  "--input", "random", "--record", str(rec)]) == 0
     r = Recording(rec)
     assert len(r) == 5 and r.meta["engine"] == "neural" and r.frames.shape[1:] == (120, 160, 3)
+
+
+def test_f12_saves_a_screenshot_and_never_overwrites_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    f12 = key(True, pygame.K_F12)
+    stats, _ = run_keyboard(tmp_path, {2: [f12, f12]}, frames=6)  # twice in one tick: same step, same second
+    assert stats["steps"] == 6 and stats["quit"] == "frames"
+    shots = sorted(tmp_path.glob("neuraldoom-*.png"))
+    assert len(shots) == 2, shots
+    for shot in shots:
+        assert pygame.image.load(str(shot)).get_size() == (160 * 4, 120 * 4)
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in err] == ["screenshot", "screenshot"], err
+
+
+def test_f12_in_an_unwritable_folder_does_not_end_the_game(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir("/proc")  # not writable, even for root
+    stats, seen = run_keyboard(tmp_path, {2: [key(True, pygame.K_F12)], 3: [key(True, pygame.K_w)]}, frames=8)
+    assert stats["steps"] == 8 and stats["quit"] == "frames" and len(seen) == 8
+    assert seen[4] == A.Action.of("MOVE_FORWARD"), "play goes on after the failed screenshot"
+    assert len(Recording(tmp_path / "rec")) == 8
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("neuraldoom: screenshot failed"), err
+
+
+def test_window_shows_a_failed_screenshot_on_screen(monkeypatch):
+    from neuraldoom.window import Window
+
+    with Window("test", scale=1, headless=True) as win:
+        win.resize((32, 24))
+        monkeypatch.chdir("/proc")
+        assert win.screenshot("neuraldoom", 0) is None
+        assert win.notice[0].startswith("screenshot failed: cannot write neuraldoom-")
+        win.flip()  # draws the notice

@@ -118,3 +118,33 @@ def test_cli_replay(recorded, tiny_checkpoint, tmp_path, capsys):
     rc = cli.main(["replay", str(tmp_path / "nope"), "--engine", "real"])
     assert rc == 2
     one_line_error(capsys.readouterr().err, "does not exist")
+
+
+@pytest.mark.parametrize("where, contains", [("afile/out", "is a file, not a folder"),
+                                             ("afile", "it is a file, not a folder"),
+                                             ("/proc/neuraldoom-replay", "cannot write the replay to")])
+def test_replay_to_an_unwritable_folder_is_one_line(recorded, tmp_path, capsys, where, contains):
+    path = recorded[0]
+    (tmp_path / "afile").write_text("keep me")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    out = where if where.startswith("/") else str(tmp_path / where)
+    assert cli.main(["replay", str(path), "--engine", "real", "--out", out]) == 2
+    one_line_error(capsys.readouterr().err, contains)
+    assert (tmp_path / "afile").read_text() == "keep me"
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert len(Recording(path)) == 70
+
+
+def test_real_replay_of_a_recording_without_seed_is_one_line(tmp_path, capsys):
+    cfg = GameConfig()
+    path = tmp_path / "noseed"
+    with RecordingWriter(path, cfg) as w:
+        w.new_episode(None)
+        for _ in range(3):
+            w.add(np.zeros((cfg.height, cfg.width, 3), np.uint8), NOOP)
+    with pytest.raises(RecordingError, match="no game seed"):
+        run_replay(path, "real")
+    out = tmp_path / "out"
+    assert cli.main(["replay", str(path), "--engine", "real", "--out", str(out)]) == 2
+    one_line_error(capsys.readouterr().err, "no game seed")  # no warning line, no engine switched to
+    assert not out.exists()
