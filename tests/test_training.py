@@ -226,3 +226,16 @@ def test_decoder_fine_tune_with_a_discriminator_resumes_it(tiny_ae, tiny_dataset
     assert "resuming at step 3" in capsys.readouterr().out
     after, _ = load_state(out / "dec_state.safetensors")
     assert any(not torch.equal(after[k], v) for k, v in disc.items())  # the discriminator kept training
+
+
+def test_rollout_strip_writes_the_shown_steps(tiny_checkpoint, tmp_path, capsys):
+    from PIL import Image
+
+    from training import rollout_strip
+
+    out = tmp_path / "strip.png"
+    assert rollout_strip.main(["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--steps", "6",
+                               "--show", "0", "3", "6"]) == 0
+    assert Image.open(out).size == (3 * 160, 120)
+    assert "0, 3, 6" in capsys.readouterr().out
+    assert rollout_strip.main(["--checkpoint", str(tmp_path / "none"), "--out", str(out)]) == 2

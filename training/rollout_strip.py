@@ -1,0 +1,74 @@
+"""A long free rollout of the neural engine as one picture: what a player sees after N steps of play.
+
+    python -m training.rollout_strip --checkpoint checkpoints/e1m1 --out docs/rollout_1000.png
+
+Starts from the checkpoint's own starting context (as `python main.py` does), plays --steps steps of
+sticky-random actions (the collection policy, seeded) and writes a strip of the frames at the --show
+steps (left to right; step 0 is the last real context frame). It prints each shown frame's gradient
+energy relative to that real frame: far below 1 is the melt into mush, far above 1 is noise.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from neuraldoom import actions as A
+from neuraldoom import metrics as M
+from neuraldoom.checkpoint import Checkpoint, CheckpointError
+from neuraldoom.config import parse_args
+from neuraldoom.engine import NeuralEngine
+
+
+@dataclass(frozen=True)
+class Args:
+    checkpoint: str
+    out: str  # a .png path
+    steps: int = 1000
+    show: tuple[int, ...] = (0, 10, 25, 50, 100, 250, 500, 1000)  # the steps shown (0 = the last context frame)
+    seed: int = 0
+    scale: int = 1
+    compile: bool = False
+    threads: int = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(Args, argv, __doc__)
+    torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    try:
+        eng = NeuralEngine(Checkpoint(a.checkpoint), compile=a.compile, seed=a.seed, wait_compile=True)
+    except CheckpointError as e:
+        print(f"rollout_strip: {e}", file=sys.stderr)
+        return 2
+    policy = A.StickyRandomPolicy(np.random.default_rng(a.seed))
+    frames = {0: eng.reset(a.seed)}
+    sharp = []
+    first = frames[0]
+    for t in range(1, a.steps + 1):
+        f = eng.step(policy())
+        if t in a.show:
+            frames[t] = f
+            sharp.append(f"{t}: {M.sharpness(f[None], first[None]):.2f}")
+    shown = [frames[t] for t in a.show if t in frames]
+    strip = np.concatenate(shown, 1)
+    from PIL import Image
+
+    img = Image.fromarray(strip)
+    if a.scale > 1:
+        img = img.resize((img.width * a.scale, img.height * a.scale), Image.NEAREST)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp.png")
+    img.save(tmp)
+    tmp.replace(out)
+    print(f"rollout_strip: steps {', '.join(str(t) for t in a.show if t in frames)} -> {out}; "
+          f"gradient energy vs the start frame: {'; '.join(sharp)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
