@@ -81,7 +81,7 @@ def make_engine(a: argparse.Namespace) -> Any:
         if e.name in ("neuraldoom.engine", "neuraldoom.checkpoint"):
             raise missing from None
         raise UsageError(f"cannot load the neural engine: {e}") from None
-    return NeuralEngine.from_checkpoint(ckpt, compile=not a.no_compile)
+    return NeuralEngine.from_checkpoint(ckpt, compile=not a.no_compile, cores=a.cores, dtype=a.dtype)
 
 
 # -- play ---------------------------------------------------------------------------------------------
@@ -92,6 +92,8 @@ def cmd_play(a: argparse.Namespace) -> int:
         raise UsageError("--headless needs --frames N")
     if a.scale < 1:
         raise UsageError(f"--scale must be >= 1, got {a.scale}")
+    if a.cores is not None and a.cores < 1:
+        raise UsageError(f"--cores must be >= 1, got {a.cores}")
     if a.engine == "neural":
         given = [f"--{k.replace('_', '-')}" for k in ("wad", "scenario", "map", "width", "height", "frame_skip")
                  if getattr(a, k) is not None]
@@ -221,7 +223,13 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None,
                    help=f"neural checkpoint folder (default: {DEFAULT_CHECKPOINT} in the repository)")
     p.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
-    p.add_argument("--threads", type=int, default=1, help="neural engine: torch threads (see DESIGN.md §4)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="neural engine: torch threads (see DESIGN.md §4); with 2+ cores, at most half of them")
+    p.add_argument("--cores", type=int, default=None,
+                   help="neural engine: cores to use (default: all this process may use; 2+ run the two UNet "
+                        "passes of each guided step at once, with the same frames; 1: one after the other)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="neural engine: the UNet's dtype (auto: bfloat16 where the CPU has it natively)")
     p.add_argument("--seed", type=int, default=None, help="first episode's seed; each new episode takes the next")
     p.add_argument("--record", default=None, metavar="DIR", help="save the session as a recording in DIR")
     p.add_argument("--headless", action="store_true", help="no window, no pacing: run --frames steps, print timings")

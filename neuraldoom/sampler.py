@@ -1,21 +1,36 @@
 """DDIM sampling of the next latent (GameNGen §3.3): 4 steps, v-prediction, trailing timesteps, and
 classifier-free guidance on the past frames only (the unconditional pass drops the context, keeps the
-actions), both passes in one batch-2 call.
+actions).
 
-The whole loop is one module so it compiles to one graph: an AOTInductor package, built once per
-checkpoint, sampler settings, torch version and CPU (~1 min on a quiet 2-core machine, several on a busy
-one), cached, and loaded in ~2 s afterwards; `torch.compile` with freezing would recompile (~30 s) at
-every start (DESIGN.md §4). The first build runs in a background process so play starts at once, eager.
+Each guided step is two batch-1 UNet passes, the conditional and the unconditional one, so that on two
+cores they run at once, one per core (`sample(..., pool=)`), giving the very numbers they give one after
+the other on one core. One pass is what gets compiled: an AOTInductor package of the denoiser at batch 1
+(the same package for every step count and guidance), built once per checkpoint, dtype, torch version,
+CPU and thread count, cached, and loaded in about a second afterwards; `torch.compile` with freezing
+would recompile (~30 s) at every start (DESIGN.md §4). The package is run through its C entry points with
+ctypes, which lets go of the GIL for the call (torch's own loader holds it, so two threads would take
+turns). The first build runs in a background process so play starts at once, eager; a lock file next to
+the package makes a second player wait for the first one's build and reuse it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import ctypes
+import fcntl
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import weakref
+import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,11 +39,42 @@ from torch import nn
 
 from .denoiser import Denoiser
 
+# one UNet pass: (x (1,C,h,w), t (1,) long, context (1,N,C,h,w), codes (1,N+1,2) long) -> v (1,C,h,w) float32
+Pass = Callable[..., torch.Tensor]
+
 
 def ddim_scheduler(num_train_timesteps: int = 1000) -> DDIMScheduler:
     return DDIMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule="linear",
                          prediction_type="v_prediction", timestep_spacing="trailing", clip_sample=False,
                          set_alpha_to_one=True)
+
+
+class DenoiserPass(nn.Module):
+    """The denoiser at one noise level, clean context (bucket 0), run in `dtype` (its weights converted
+    once), returning float32: the unit that is compiled and that the two cores share out."""
+
+    def __init__(self, denoiser: Denoiser, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.denoiser = denoiser if dtype == torch.float32 else copy.deepcopy(denoiser).to(dtype).eval()
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        bucket = torch.zeros_like(t)  # no noise on a clean context
+        v = self.denoiser(x.to(self.dtype), t, context.to(self.dtype), codes, bucket)
+        return v.float()
+
+
+_passes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_passes_lock = threading.Lock()
+
+
+def denoiser_pass(denoiser: Denoiser, dtype: torch.dtype = torch.float32) -> DenoiserPass:
+    """One DenoiserPass per (denoiser, dtype) in this process: engines of one checkpoint share a bf16 copy."""
+    with _passes_lock:
+        per = _passes.setdefault(denoiser, {})
+        if dtype not in per:
+            per[dtype] = DenoiserPass(denoiser, dtype).eval()
+        return per[dtype]
 
 
 class DDIMSampler(nn.Module):
@@ -43,28 +89,51 @@ class DDIMSampler(nn.Module):
         a = sched.alphas_cumprod
         ts = [int(t) for t in sched.timesteps]
         prev = [a[t].item() for t in ts[1:]] + [sched.final_alpha_cumprod.item()]
-        # (t, alpha_bar_t, alpha_bar_prev) per step, as Python constants baked into the graph
+        # (t, alpha_bar_t, alpha_bar_prev) per step, as Python constants
         self.plan = [(t, a[t].item(), ap) for t, ap in zip(ts, prev, strict=True)]
 
+    @property
+    def guided(self) -> bool:
+        return self.cfg != 1.0
+
     def forward(self, noise: torch.Tensor, context: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        x = noise
-        last = context[:, -1]  # (1, C, h, w): the reference of a "delta" target
-        guided = self.cfg != 1.0
-        if guided:  # row 0: with the past frames; row 1: without (dropped context, same actions)
-            context = torch.cat([context, torch.zeros_like(context)])
-            codes = torch.cat([codes, codes])
-        bucket = torch.zeros(len(context), dtype=torch.long, device=noise.device)  # no noise on a clean context
-        x0 = x
+        return self.sample(noise, context, codes, denoiser_pass(self.denoiser))
+
+    def sample(self, noise: torch.Tensor, context: torch.Tensor, codes: torch.Tensor, denoise: Pass,
+               pool=None, batched: bool = False) -> torch.Tensor:
+        """The DDIM loop around `denoise` (a DenoiserPass or its compiled package). With `pool` (an
+        executor of one single-threaded worker), the unconditional pass of each step runs there while the
+        conditional one runs here: the same calls, so the same numbers as without it. `batched`: both
+        passes as one batch-2 call instead (faster on one core; other numbers, by float rounding)."""
+        x = x0 = noise
+        last = context[:, -1]  # the reference of a "delta" target
+        empty = torch.zeros_like(context) if self.guided else None  # the dropped context, same actions
+        if empty is not None and batched:
+            pair, codes2 = torch.cat([context, empty]), torch.cat([codes, codes])
         for t, at, ap in self.plan:
-            tt = torch.full((len(context),), t, dtype=torch.long, device=noise.device)
-            xin = torch.cat([x, x]) if guided else x
-            v = self.denoiser(xin, tt, context, codes, bucket)
-            if guided:
-                v = v[1:] + self.cfg * (v[:1] - v[1:])
+            tt = torch.full((len(x),), t, dtype=torch.long, device=x.device)
+            if empty is not None and batched:
+                v2 = denoise(torch.cat([x, x]), tt.repeat(2), pair, codes2)
+                v = v2[1:] + self.cfg * (v2[:1] - v2[1:])
+            elif empty is not None:
+                other = pool.submit(denoise, x, tt, empty, codes) if pool is not None else None
+                vc = denoise(x, tt, context, codes)
+                vu = other.result() if other is not None else denoise(x, tt, empty, codes)
+                v = vu + self.cfg * (vc - vu)
+            else:
+                v = denoise(x, tt, context, codes)
             x0 = at**0.5 * x - (1 - at) ** 0.5 * v
             eps = at**0.5 * v + (1 - at) ** 0.5 * x
             x = ap**0.5 * x0 + (1 - ap) ** 0.5 * eps
         return self.denoiser.from_target(x0, last)
+
+
+# -- the compiled pass: build, cache, lock, load ----------------------------------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 def cache_dir() -> Path:
@@ -73,69 +142,197 @@ def cache_dir() -> Path:
     return Path(base) / "aoti"
 
 
-def package_path(checkpoint: Path, steps: int, cfg: float) -> Path:
-    """Where the compiled sampler of a checkpoint lives: keyed by its weights, the sampler settings,
-    torch, the CPU and the thread count (the package is machine-specific; never commit it)."""
+def package_path(checkpoint: Path, dtype: torch.dtype = torch.float32, threads: int | None = None,
+                 batch: int = 1) -> Path:
+    """Where the compiled pass of a checkpoint lives: keyed by its weights and configs, the dtype, the
+    batch, torch, the CPU and the thread count (the package is machine-specific; never commit it)."""
     h = hashlib.sha256()
-    for d in ("unet", "action_encoder", "autoencoder"):
+    for d in ("unet", "action_encoder"):
         h.update((checkpoint / d / "diffusion_pytorch_model.safetensors").read_bytes())
-    h.update(repr(("v3", steps, cfg, torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-                   torch.get_num_threads())).encode())
-    return cache_dir() / f"sampler-{h.hexdigest()[:20]}.pt2"
+        h.update((checkpoint / d / "config.json").read_bytes())
+    h.update((checkpoint / "autoencoder" / "config.json").read_bytes())  # the latent's shape
+    h.update((checkpoint / "config.json").read_bytes())  # frames read, context length
+    threads = torch.get_num_threads() if threads is None else threads
+    h.update(repr(("pass-v1", dtype_name(dtype), batch, torch.__version__, platform.machine(),
+                   torch.backends.cpu.get_cpu_capability(), threads)).encode())
+    return cache_dir() / f"pass-{h.hexdigest()[:20]}.pt2"
 
 
-def example_inputs(sampler: DDIMSampler, latent_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    n = sampler.denoiser.context
+def example_inputs(denoiser: Denoiser, latent_shape: tuple[int, ...], batch: int = 1) -> tuple[torch.Tensor, ...]:
+    """What a DenoiserPass takes (the shapes and strides the package is built for)."""
+    n, b = denoiser.context, batch
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(1, *latent_shape, generator=g), torch.randn(1, n, *latent_shape, generator=g),
-            torch.randint(0, 7, (1, n + 1, 2), generator=g))
+    return (torch.randn(b, *latent_shape, generator=g), torch.full((b,), 500),
+            torch.randn(b, n, *latent_shape, generator=g), torch.randint(0, 7, (b, n + 1, 2), generator=g))
 
 
-def build_package(sampler: DDIMSampler, example: tuple[torch.Tensor, ...], path: Path) -> None:
+def signature(path: Path) -> str:
+    """Identifies one version of a file (a rebuilt package gets another)."""
+    st = path.stat()
+    return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+
+@contextlib.contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """Exclusive flock on PATH.lock: one build of a package at a time, across processes; the kernel drops
+    it when its holder dies, so a killed build never leaves a stale lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def build_package(module: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> None:
     """torch.export -> AOTInductor (freezing: weights folded in as constants) -> atomically into the cache."""
     import torch._inductor
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
     with torch.no_grad():
-        ep = torch.export.export(sampler.eval(), example, strict=False)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+        ep = torch.export.export(module.eval(), example, strict=False)
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs={"freezing": True})
     os.replace(tmp, path)
 
 
-def load_package(path: Path) -> nn.Module | None:
+def ensure_package(module: nn.Module, example: tuple[torch.Tensor, ...], path: Path,
+                   replace: str | None = None) -> bool:
+    """Build the package under its lock unless it is there (another player built it while we waited).
+    `replace`: the signature of a broken package to rebuild over. Returns whether this call compiled."""
+    with build_lock(path):
+        if path.exists() and (replace is None or signature(path) != replace):
+            return False
+        for tmp in path.parent.glob(f"{path.stem}.*.tmp.pt2"):  # left by a killed build (we hold the lock)
+            tmp.unlink(missing_ok=True)
+        build_package(module, example, path)
+        return True
+
+
+_P = ctypes.pythonapi
+_P.PyCapsule_GetPointer.restype, _P.PyCapsule_GetPointer.argtypes = ctypes.c_void_p, [ctypes.py_object,
+                                                                                      ctypes.c_char_p]
+_P.PyCapsule_New.restype, _P.PyCapsule_New.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                                         ctypes.c_void_p]
+
+
+class CompiledPass:
+    """A package's model, called through the AOTInductor C ABI with ctypes (no GIL held during the run,
+    so two threads run passes at once); `models` instances let that many calls run concurrently."""
+
+    def __init__(self, path: Path, models: int = 2) -> None:
+        aoti = torch._C._aoti  # tensors <-> AtenTensorHandles (AttributeError on a torch without them)
+        self._handles = aoti.unsafe_alloc_void_ptrs_from_tensors
+        self._tensors = aoti.alloc_tensors_by_stealing_from_void_ptrs
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.endswith(".so") and "/aotinductor/" in n]
+            if len(names) != 1:
+                raise RuntimeError(f"{path.name}: expected one model library, found {len(names)}")
+            tmp = tempfile.mkdtemp(prefix="neuraldoom-")
+            try:
+                so = Path(tmp) / "model.so"
+                with z.open(names[0]) as src, open(so, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                lib = ctypes.CDLL(str(so))  # mapped: the file itself can go
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.lib = lib
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.AOTInductorModelContainerCreateWithDevice.argtypes = [ctypes.POINTER(vp), sz, ctypes.c_char_p,
+                                                                  ctypes.c_char_p]
+        lib.AOTInductorModelContainerGetNumOutputs.argtypes = [vp, ctypes.POINTER(sz)]
+        lib.AOTInductorModelContainerRun.argtypes = [vp, ctypes.POINTER(vp), sz, ctypes.POINTER(vp), sz, vp, vp]
+        lib.AOTInductorModelContainerDelete.argtypes = [vp]
+        self.handle = vp()
+        self._check(lib.AOTInductorModelContainerCreateWithDevice(ctypes.byref(self.handle), models, b"cpu", None))
+        n = sz()
+        self._check(lib.AOTInductorModelContainerGetNumOutputs(self.handle, ctypes.byref(n)))
+        self.outputs = n.value
+
+    def _check(self, err: int) -> None:
+        if err != 0:
+            raise RuntimeError(f"AOTInductor call failed ({err})")
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        caps = self._handles(list(inputs))  # new handles, stolen by Run
+        ins = (ctypes.c_void_p * len(caps))(*[_P.PyCapsule_GetPointer(c, None) for c in caps])
+        outs = (ctypes.c_void_p * self.outputs)()
+        self._check(self.lib.AOTInductorModelContainerRun(self.handle, ins, len(caps), outs, self.outputs,
+                                                          None, None))
+        return self._tensors([_P.PyCapsule_New(o, None, None) for o in outs])[0]
+
+    def __del__(self) -> None:
+        handle = getattr(self, "handle", None)
+        if handle:
+            self.lib.AOTInductorModelContainerDelete(handle)
+            self.handle = None
+
+
+def _open_package(path: Path) -> Pass:
     try:
-        import torch._inductor
+        return CompiledPass(path)
+    except (OSError, AttributeError, RuntimeError, zipfile.BadZipFile):
+        import torch._inductor  # another layout: torch's own loader (holds the GIL: the cores take turns)
 
         return torch._inductor.aoti_load_package(str(path))
-    except Exception as e:  # a stale or foreign package: fall back to eager, never stop play
-        print(f"neuraldoom: cannot load the compiled sampler {path.name} ({type(e).__name__}); running eager",
-              file=sys.stderr)
+
+
+_loaded: dict[tuple[str, str], Pass] = {}  # one loaded package per file version in this process
+
+
+def load_package(path: Path, reference: nn.Module, example: tuple[torch.Tensor, ...]) -> Pass | None:
+    """The compiled pass, checked once against the eager `reference` on `example`; None (and one line) if
+    the package cannot be loaded or does not give the reference's numbers: a corrupt or stale entry."""
+    try:
+        key = (str(path), signature(path))
+        if key in _loaded:
+            return _loaded[key]
+        run = _open_package(path)
+        with torch.no_grad():
+            got, want = run(*example), reference(*example)
+        tol = (1e-3 if reference.dtype == torch.float32 else 5e-2) * (1 + want.abs().max().item())
+        if got.shape != want.shape or not (got - want).abs().max().item() <= tol:
+            raise ValueError("its output differs from the eager model's")
+        _loaded[key] = run
+        return run
+    except Exception as e:  # never stop play over a cache entry
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        print(f"neuraldoom: cannot use the compiled sampler {path.name} ({type(e).__name__}: {first}); "
+              "running eager", file=sys.stderr)
         return None
 
 
-def build_in_background(checkpoint: Path, steps: int, cfg: float) -> subprocess.Popen:
+def build_in_background(checkpoint: Path, dtype: torch.dtype, replace: str | None = None,
+                        batch: int = 1) -> subprocess.Popen:
     """Compile in a separate process (play goes on eagerly meanwhile); the result lands in the cache."""
-    cmd = [sys.executable, "-m", "neuraldoom.sampler", str(checkpoint), str(steps), str(cfg),
-           str(torch.get_num_threads())]
+    cmd = [sys.executable, "-m", "neuraldoom.sampler", str(checkpoint), dtype_name(dtype),
+           str(torch.get_num_threads()), str(batch)] + ([replace] if replace else [])
     cache_dir().mkdir(parents=True, exist_ok=True)
     log = open(cache_dir() / "build.log", "ab")  # a failed build explains itself here, not over the game
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    try:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    finally:
+        log.close()
 
 
 def _main(argv: list[str]) -> int:
-    """python -m neuraldoom.sampler CHECKPOINT STEPS CFG THREADS: build the compiled sampler into the cache."""
+    """python -m neuraldoom.sampler CHECKPOINT DTYPE THREADS BATCH [REPLACE]: build the compiled pass into
+    the cache (REPLACE: the signature of a broken package to rebuild over)."""
     from . import autoencoder as AE
     from .checkpoint import Checkpoint
 
-    ckpt_dir, steps, cfg, threads = Path(argv[0]), int(argv[1]), float(argv[2]), int(argv[3])
+    ckpt_dir, dtype, threads, batch = Path(argv[0]), DTYPES[argv[1]], int(argv[2]), int(argv[3])
+    replace = argv[4] if len(argv) > 4 else None
     torch.set_num_threads(threads)
     ck = Checkpoint(ckpt_dir)
-    sampler = DDIMSampler(ck.denoiser, steps, cfg)
     shape = (ck.ae.config.latent_channels, *AE.latent_hw(ck.ae, ck.game.height, ck.game.width))
+    path = package_path(ckpt_dir, dtype, threads, batch)
     t0 = time.time()
-    build_package(sampler, example_inputs(sampler, shape), package_path(ckpt_dir, steps, cfg))
-    print(f"neuraldoom: compiled the sampler in {time.time() - t0:.0f}s")
+    if ensure_package(DenoiserPass(ck.denoiser, dtype), example_inputs(ck.denoiser, shape, batch), path, replace):
+        print(f"neuraldoom: compiled the sampler {path.name} in {time.time() - t0:.0f}s", flush=True)
+    else:
+        print(f"neuraldoom: {path.name} was built by another player; reusing it", flush=True)
     return 0
 
 
