@@ -128,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(a.seed)
     n = ckpt.denoiser_cfg.context
     H, W = ckpt.game.height, ckpt.game.width
-    eng = NeuralEngine(ckpt, compile=a.compile, guidance=a.guidance or None, seed=a.seed, wait_compile=True)
-    eng1 = NeuralEngine(ckpt, compile=a.compile, guidance=1.0, seed=a.seed, wait_compile=True)
+    # one core, fp32: the same numbers on every machine and run (play may use bf16 and a second core)
+    eng = NeuralEngine(ckpt, compile=a.compile, guidance=a.guidance or None, seed=a.seed, wait_compile=True,
+                       cores=1, dtype="float32")
+    eng1 = NeuralEngine(ckpt, compile=a.compile, guidance=1.0, seed=a.seed, wait_compile=True, cores=1,
+                        dtype="float32")
 
     # mean-frame baseline: the average training frame
     pool = [r.frames[i] for r in train if len(r) for i in np.linspace(0, len(r) - 1, 200).astype(int)]
