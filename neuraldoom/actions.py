@@ -2,7 +2,7 @@
 
 An `Action` is the set of buttons held plus a turn bucket. The real game receives it as a ViZDoom
 button vector; the model receives it as integers (button bits + turn bucket) that it embeds as one
-token: the sum of learned per-button embeddings and a turn embedding (DESIGN.md §6), so combinations
+token: the sum of learned per-button embeddings and a turn embedding (docs/DESIGN.md §6), so combinations
 rarely seen in training still mean something.
 """
 

@@ -8,7 +8,7 @@ and the policy sees the executed history in its observation anyway.
 
 **Every model step is recorded** through `RecordingWriter` at the game's resolution (160x120): row t =
 frame t, the executed action, the game variables and that step's reward. That is the training corpus of
-the autoencoder and denoiser (DESIGN.md §3), covering the agent from clumsy to skilled.
+the autoencoder and denoiser (docs/DESIGN.md §3), covering the agent from clumsy to skilled.
 
 Observation (channels first, uint8 images, smaller than the recorded frame if `obs_scale` > 1):
   screen  (3, H/s, W/s)   the frame
@@ -48,7 +48,7 @@ class AgentEnvConfig:
 
 
 def action_features(action: A.Action) -> np.ndarray:
-    """(13,) float32: button bits + turn one-hot, the shared action representation (DESIGN.md §6)."""
+    """(13,) float32: button bits + turn one-hot, the shared action representation (docs/DESIGN.md §6)."""
     f = np.zeros(ACTION_FEATURES, np.float32)
     f[: A.NUM_BUTTONS] = [action.buttons >> i & 1 for i in range(A.NUM_BUTTONS)]
     f[A.NUM_BUTTONS + action.turn] = 1.0

@@ -224,7 +224,7 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"neural checkpoint folder (default: {DEFAULT_CHECKPOINT} in the repository)")
     p.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
     p.add_argument("--threads", type=int, default=1,
-                   help="neural engine: torch threads (see DESIGN.md §4); with 2+ cores, at most half of them")
+                   help="neural engine: torch threads (see docs/DESIGN.md §4); with 2+ cores, at most half of them")
     p.add_argument("--cores", type=int, default=None,
                    help="neural engine: cores to use (default: all this process may use; 2+ run the two UNet "
                         "passes of each guided step at once, with the same frames; 1: one after the other)")

@@ -38,7 +38,7 @@ class AutoencoderConfig:
     encoder_fold: int = 4
     decoder_fold: int = 2
     encoder_channels: int = 64
-    decoder_channels: int = 32  # decode is the per-frame wall on CPU (DESIGN.md §4): keep it slim
+    decoder_channels: int = 32  # decode is the per-frame wall on CPU (docs/DESIGN.md §4): keep it slim
     encoder_blocks: tuple[int, ...] = (2, 3)  # residual blocks per level
     decoder_blocks: tuple[int, ...] = (2, 2, 1)
 

@@ -1,4 +1,4 @@
-"""One recording format for agent data, human sessions and evaluation sets (DESIGN.md §6).
+"""One recording format for agent data, human sessions and evaluation sets (docs/DESIGN.md §6).
 
 A recording is a folder:
   meta.json    GameConfig, button set, game-variable names, engine, written once at the start

@@ -7,7 +7,7 @@ cores they run at once, one per core (`sample(..., pool=)`), giving the very num
 the other on one core. One pass is what gets compiled: an AOTInductor package of the denoiser at batch 1
 (the same package for every step count and guidance), built once per checkpoint, dtype, torch version,
 CPU and thread count, cached, and loaded in about a second afterwards; `torch.compile` with freezing
-would recompile (~30 s) at every start (DESIGN.md §4). The package is run through its C entry points with
+would recompile (~30 s) at every start (docs/DESIGN.md §4). The package is run through its C entry points with
 ctypes, which lets go of the GIL for the call (torch's own loader holds it, so two threads would take
 turns). The first build runs in a background process so play starts at once, eager; a lock file next to
 the package makes a second player wait for the first one's build and reuse it.

@@ -1,4 +1,4 @@
-"""Train the PPO agent whose every game step becomes training data (GameNGen §4; DESIGN.md §3).
+"""Train the PPO agent whose every game step becomes training data (GameNGen §4; docs/DESIGN.md §3).
 
     python -m training.train_agent --steps 200000 --envs 4 --out data/agent
 
@@ -65,7 +65,7 @@ class TrainAgentConfig:
     obs_scale: int = 2  # observation = 160x120 frame / obs_scale (2: 80x60, ~3x faster than 160x120)
     history: int = 32  # past actions in the observation
     heldout: float = 0.1  # fraction of episodes recorded as heldout
-    # PPO, the paper's values (DESIGN.md §3)
+    # PPO, the paper's values (docs/DESIGN.md §3)
     lr: float = 1e-4
     gamma: float = 0.99
     ent_coef: float = 0.1
