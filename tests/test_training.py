@@ -239,3 +239,8 @@ def test_rollout_strip_writes_the_shown_steps(tiny_checkpoint, tmp_path, capsys)
     assert Image.open(out).size == (3 * 160, 120)
     assert "0, 3, 6" in capsys.readouterr().out
     assert rollout_strip.main(["--checkpoint", str(tmp_path / "none"), "--out", str(out)]) == 2
+
+
+def test_diffusion_trains_with_no_warmup(tiny_ae, tiny_dataset, tmp_path):
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
+                                 "--out", str(tmp_path / "dm"), "--steps", "2", "--warmup", "0", *TINY_DM]) == 0

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderTiny, DDPMScheduler
+from diffusers.optimization import get_constant_schedule_with_warmup
 from diffusers.training_utils import EMAModel
 from tqdm import tqdm
 
@@ -176,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_diffusion: resuming at step {step}")
     sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
                           prediction_type="v_prediction")
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup),
-                                                 last_epoch=step - 1 if step else -1)
+    # linear warm-up then constant (diffusers' schedule: --warmup 0 is valid)
+    lr_sched = get_constant_schedule_with_warmup(opt, a.warmup, last_epoch=step - 1 if step else -1)
     model.train()
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
