@@ -300,3 +300,14 @@ def test_closing_the_engine_stops_a_background_compile(tiny_checkpoint, tmp_path
     eng.close()
     assert builder.poll() is not None  # the build process is gone
     assert not list((tmp_path / "cache").rglob("*.pt2"))  # and left no package behind
+
+
+def test_the_shipped_checkpoint_loads_and_plays():
+    """`python main.py` plays checkpoints/e1m1: a matching autoencoder/denoiser pair that steps."""
+    from pathlib import Path
+
+    ck = Checkpoint(Path(__file__).resolve().parent.parent / "checkpoints" / "e1m1")
+    eng = NeuralEngine(ck, compile=False, seed=0, cores=1)
+    frames = [eng.step(A.Action.of("MOVE_FORWARD")) for _ in range(2)]
+    assert all(f.shape == (ck.game.height, ck.game.width, 3) and f.dtype == np.uint8 for f in frames)
+    assert all(np.isfinite(f).all() for f in frames)
