@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from neuraldoom.cli import inspect_path
 from neuraldoom.recording import Recording, find_recordings
 from training import collect
@@ -49,3 +51,12 @@ def test_collect_bad_map_fails_fast(tmp_path, capsys):
     assert collect.main(["--steps", "10", "--out", str(tmp_path / "d"), "--map", "E9M9"]) == 2
     assert "unknown map" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("flags", [["--workers", "0", "--steps", "10"], ["--workers", "1", "--steps", "0"]])
+def test_collect_refuses_no_workers_or_no_steps(tmp_path, capsys, flags):
+    from training import collect
+
+    assert collect.main([*flags, "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "at least 1" in err and not (tmp_path / "d").exists()

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout", type=float, default=0.1, help="fraction of episodes held out")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if a.workers < 1 or a.steps < 1:
+        print(f"collect: --workers and --steps must be at least 1 (got {a.workers} and {a.steps})", file=sys.stderr)
+        return 2
 
     cfg = replace(GameConfig(), wad=a.wad, scenario=a.scenario, map=a.map, width=a.width, height=a.height,
                   frame_skip=a.frame_skip, episode_timeout=a.episode_tics)
