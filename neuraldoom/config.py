@@ -13,6 +13,29 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+TICS_PER_SECOND = 35  # DOOM's game clock; one model step is GameConfig.frame_skip tics
+
+# Recorded with every step; the agent's reward and the status-bar reader read them. Defined here, not in
+# game.py, so that recordings, rewards and metrics never import ViZDoom.
+GAME_VARIABLES: tuple[str, ...] = (
+    "HEALTH",
+    "ARMOR",
+    "SELECTED_WEAPON",
+    "SELECTED_WEAPON_AMMO",
+    "AMMO2",
+    "AMMO3",
+    "KILLCOUNT",
+    "HITCOUNT",
+    "HITS_TAKEN",
+    "DAMAGECOUNT",
+    "ITEMCOUNT",
+    "SECRETCOUNT",
+    "DEAD",
+    "POSITION_X",
+    "POSITION_Y",
+    "ANGLE",
+)
+
 @dataclass(frozen=True)
 class GameConfig:
     """What the real game runs: which WAD/scenario and map, at what size and speed."""
@@ -86,6 +109,8 @@ def dumps(cfg: Any) -> str:
 
 
 __all__ = [
+    "GAME_VARIABLES",
+    "TICS_PER_SECOND",
     "GameConfig",
     "AutoencoderConfig",
     "DenoiserConfig",

@@ -21,27 +21,8 @@ import numpy as np
 import vizdoom as vzd
 
 from .actions import BUTTONS, NUM_BUTTONS, Action, ActionError
-from .config import GameConfig
+from .config import GAME_VARIABLES, GameConfig
 
-# Recorded with every step; the agent's reward reads them.
-GAME_VARIABLES: tuple[str, ...] = (
-    "HEALTH",
-    "ARMOR",
-    "SELECTED_WEAPON",
-    "SELECTED_WEAPON_AMMO",
-    "AMMO2",
-    "AMMO3",
-    "KILLCOUNT",
-    "HITCOUNT",
-    "HITS_TAKEN",
-    "DAMAGECOUNT",
-    "ITEMCOUNT",
-    "SECRETCOUNT",
-    "DEAD",
-    "POSITION_X",
-    "POSITION_Y",
-    "ANGLE",
-)
 RESOLUTIONS = {(120, 160): "RES_160X120", (240, 320): "RES_320X240", (480, 640): "RES_640X480",
                (200, 320): "RES_320X200", (256, 320): "RES_320X256"}
 _CHDIR_LOCK = threading.Lock()

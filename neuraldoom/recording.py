@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import actions as A
-from .config import GameConfig, from_dict, to_dict
-from .game import GAME_VARIABLES
+from .config import GAME_VARIABLES, GameConfig, from_dict, to_dict
 
 FORMAT_VERSION = 1
 STEP_DTYPE = np.dtype(

@@ -1,6 +1,6 @@
 """The agent's reward (GameNGen appendix A.5), computed from two consecutive game-variable vectors.
 
-Pure: no ViZDoom here. `prev` and `cur` are vectors indexed by `game.GAME_VARIABLES`; exploration is
+Pure: no ViZDoom here. `prev` and `cur` are vectors indexed by `config.GAME_VARIABLES`; exploration is
 scored by a `VisitedCells` tracker over a grid of the map, kept per episode.
 
 | term          | value                                  | from                              |
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .game import GAME_VARIABLES
+from .config import GAME_VARIABLES
 
 _I = {name: i for i, name in enumerate(GAME_VARIABLES)}
 TERMS: tuple[str, ...] = ("player_hit", "death", "enemy_hit", "enemy_kill", "pickup", "secret", "new_area",

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .game import GAME_VARIABLES
+from .config import GAME_VARIABLES
 
 FIELDS = ("ammo", "health", "armor")
 FRAME_SHAPE = (120, 160, 3)

@@ -27,7 +27,8 @@ import numpy as np
 
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # before anything here imports pygame
 
-TICS_PER_SECOND = 35  # DOOM's game speed; a view paces to TICS_PER_SECOND / frame_skip steps per second
+from .config import TICS_PER_SECOND  # noqa: E402  a view paces to TICS_PER_SECOND / frame_skip steps per second
+
 NOTICE_SECONDS = 3.0  # how long a notice (screenshot saved or failed) stays on screen
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from neuraldoom.game import GAME_VARIABLES
+from neuraldoom.config import GAME_VARIABLES
 from neuraldoom.recording import open_dataset
 
 IX, IY = GAME_VARIABLES.index("POSITION_X"), GAME_VARIABLES.index("POSITION_Y")
