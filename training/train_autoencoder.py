@@ -148,14 +148,6 @@ def normalize_latents(ae: AutoencoderTiny, frames: np.ndarray) -> None:
 ARCHITECTURE = ("latent_channels", "encoder_channels", "decoder_channels")
 
 
-def check_same_architecture(saved: dict, a: Args, path: Path) -> None:
-    """A resumed run must be the same model: a changed flag is one line, not a load_state_dict traceback."""
-    for k in ARCHITECTURE:
-        if k in saved and saved[k] != getattr(a, k):
-            raise CheckpointError(f"{path} was trained with --{k.replace('_', '-')} {saved[k]}, "
-                                  f"not {getattr(a, k)}: use another --out or the same flags")
-
-
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     torch.set_num_threads(a.threads)
@@ -179,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tensors, meta = load_state(state_path) if state_path.exists() else ({}, {})
         if meta:  # resume: the state file alone holds the weights, so a kill mid-save never loses them
-            check_same_architecture(meta.get("args", {}), a, state_path)
+            trainer.check_same_architecture(meta.get("args", {}), a, ARCHITECTURE, state_path)
             cfg = {k: v for k, v in meta["model_config"].items() if k != "block_out_channels"}  # not an init arg
             ae = AutoencoderTiny.from_config(cfg)
             ae.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})

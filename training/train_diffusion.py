@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train_diffusion: {e}", file=sys.stderr)
             return 2
         saved = meta.get("args", {})
-        for k in ARCHITECTURE:
-            if k in saved and saved[k] != (list(getattr(a, k)) if isinstance(getattr(a, k), tuple) else getattr(a, k)):
-                print(f"train_diffusion: {state_path} was trained with --{k.replace('_', '-')} {saved[k]}, not "
-                      f"{getattr(a, k)}: use another --out or the same flags", file=sys.stderr)
-                return 2
+        try:
+            trainer.check_same_architecture(saved, a, ARCHITECTURE, state_path)
+        except CheckpointError as e:
+            print(f"train_diffusion: {e}", file=sys.stderr)
+            return 2
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         load_optimizer(opt, tensors, meta)
         ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]

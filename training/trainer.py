@@ -1,10 +1,16 @@
 """What the training stages share (a few functions, not a Trainer class): the accelerator with its
-precision, and the time-boxed schedule."""
+precision, and the check that a resumed run is the same model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from accelerate import Accelerator
+
+from neuraldoom.checkpoint import CheckpointError
+from neuraldoom.engine import bf16_supported
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -12,12 +18,17 @@ PRECISIONS = ("auto", "fp32", "bf16")
 def bf16_is_fast() -> bool:
     """A GPU, or a CPU with native bf16 (AVX512-BF16 / AMX): there autocast roughly halves the autoencoder's
     step time; on an AVX2-only CPU bf16 convolutions run several times slower than fp32."""
-    if torch.cuda.is_available():
-        return True
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return torch.cuda.is_available() or bf16_supported()
+
+
+def check_same_architecture(saved: dict[str, Any], args: Any, keys: tuple[str, ...], path: Path) -> None:
+    """A resumed run must be the same model: a changed flag is one line (CheckpointError), not a
+    load_state_dict traceback. saved: the args stored in the state file (JSON: tuples are lists)."""
+    for k in keys:
+        now = getattr(args, k)
+        if k in saved and saved[k] != (list(now) if isinstance(now, tuple) else now):
+            raise CheckpointError(f"{path} was trained with --{k.replace('_', '-')} {saved[k]}, not {now}: "
+                                  "use another --out or the same flags")
 
 
 def accelerator(precision: str = "auto") -> Accelerator:
