@@ -244,3 +244,15 @@ def test_rollout_strip_writes_the_shown_steps(tiny_checkpoint, tmp_path, capsys)
 def test_diffusion_trains_with_no_warmup(tiny_ae, tiny_dataset, tmp_path):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "dm"), "--steps", "2", "--warmup", "0", *TINY_DM]) == 0
+
+
+def test_compare_autoencoders_prints_a_row_each_and_the_pictures(tiny_ae, tiny_dataset, tmp_path, capsys):
+    from training import compare_autoencoders
+
+    ae = str(tiny_ae / "autoencoder")
+    assert compare_autoencoders.main(["--data", str(tiny_dataset), "--autoencoders", ae, ae, "--names", "a", "b",
+                                      "--frames", "16", "--pictures", str(tmp_path / "pics")]) == 0
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("| a |", "| b |"))]
+    assert len(rows) == 2 and rows[0].split("|")[2:4] == rows[1].split("|")[2:4]  # same model, same numbers
+    assert (tmp_path / "pics" / "reconstructions.png").exists() and (tmp_path / "pics" / "statusbar.png").exists()
+    assert compare_autoencoders.main(["--data", str(tiny_dataset), "--autoencoders", ae, "--names", "a", "b"]) == 2
