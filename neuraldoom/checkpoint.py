@@ -110,12 +110,29 @@ def load_model_dir(cls: Any, path: str | Path) -> Any:
 # unet/                diffusers UNet2DConditionModel (EMA weights)
 # action_encoder/      the action-token embedding (diffusers ModelMixin)
 # context.safetensors  the starting context: N real frames (uint8) + the N actions that led to them
+# students/N/          optional: a distilled N-step sampler's denoiser (unet/ + action_encoder/), guidance
+#                      folded in; config.json "students" says how each was made (training/distill.py)
 CHECKPOINT_FORMAT = 1
+SECTIONS = ("game", "denoiser", "sampler")
+
+
+def weights_digest(denoiser: Any) -> str:
+    """Identifies a denoiser's weights: a student records its base teacher's, so that it is never shipped
+    beside weights it was not distilled from."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in sorted(denoiser.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoiser_cfg: Any, sampler_cfg: Any,
-                    context_frames: Any, context_actions: Any, notes: dict[str, Any] | None = None) -> None:
-    """Write a complete, playable checkpoint folder atomically (built aside, then swapped in)."""
+                    context_frames: Any, context_actions: Any, notes: dict[str, Any] | None = None,
+                    students: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> None:
+    """Write a complete, playable checkpoint folder atomically (built aside, then swapped in).
+    students: {steps: (denoiser, how it was made)} of distilled samplers to carry."""
     from . import actions as A
     from .config import to_dict
 
@@ -124,8 +141,9 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ae.save_pretrained(str(tmp / "autoencoder"), safe_serialization=True)
-    denoiser.unet.save_pretrained(str(tmp / "unet"), safe_serialization=True)
-    denoiser.action_encoder.save_pretrained(str(tmp / "action_encoder"), safe_serialization=True)
+    for d, model in [(tmp, denoiser)] + [(tmp / "students" / str(n), m) for n, (m, _) in (students or {}).items()]:
+        model.unet.save_pretrained(str(d / "unet"), safe_serialization=True)
+        model.action_encoder.save_pretrained(str(d / "action_encoder"), safe_serialization=True)
     save_file({"frames": torch.tensor(np.asarray(context_frames)),
                "actions": torch.as_tensor(context_actions, dtype=torch.int64).contiguous()},
               str(tmp / "context.safetensors"))
@@ -137,6 +155,7 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
         "buttons": list(A.BUTTONS),
         "turn_buckets": list(A.TURN_BUCKETS),
         "notes": notes or {},
+        "students": {str(n): info for n, (_, info) in sorted((students or {}).items())},
     }
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     _swap_in(tmp, path)
@@ -165,7 +184,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}/config.json: unknown checkpoint format {cfg.get('format')!r}")
         if cfg.get("buttons") != list(A.BUTTONS) or cfg.get("turn_buckets") != list(A.TURN_BUCKETS):
             raise CheckpointError(f"{self.path} was trained with another action set: {cfg.get('buttons')}")
+        missing = [k for k in SECTIONS if not isinstance(cfg.get(k), dict)]
+        if missing:
+            raise CheckpointError(f"{self.path}/config.json lacks its {', '.join(missing)} section")
         self.config = cfg
+        self.students: dict[int, dict[str, Any]] = {int(k): v for k, v in cfg.get("students", {}).items()}
+        self._student_models: dict[int, Any] = {}
         self.game = from_dict(GameConfig, cfg["game"])
         self.denoiser_cfg = from_dict(DenoiserConfig, cfg["denoiser"])
         self.sampler_cfg = from_dict(SamplerConfig, cfg["sampler"])
@@ -189,3 +213,26 @@ class Checkpoint:
         if unet.config.in_channels != want:
             raise CheckpointError(f"{self.path}: unet/ expects {unet.config.in_channels} input channels, "
                                   f"autoencoder/ and {k} context frames give {want}")
+
+    def student(self, steps: int) -> Any:
+        """The distilled denoiser of the `steps`-step sampler this checkpoint carries (loaded once)."""
+        from diffusers import UNet2DConditionModel
+
+        from .denoiser import ActionEncoder, Denoiser
+
+        if steps not in self.students:
+            raise CheckpointError(f"{self.path} carries no {steps}-step student "
+                                  f"(it has: {sorted(self.students) or 'none'})")
+        if steps not in self._student_models:
+            d = self.path / "students" / str(steps)
+            unet = load_model_dir(UNet2DConditionModel, d / "unet")
+            enc = load_model_dir(ActionEncoder, d / "action_encoder")
+            keys = ("in_channels", "out_channels", "block_out_channels", "cross_attention_dim", "class_embed_type")
+            if any(unet.config.get(k) != self.denoiser.unet.config.get(k) for k in keys):
+                raise CheckpointError(f"{d}: its unet is not the teacher's architecture")
+            self._student_models[steps] = Denoiser(unet, enc, self.denoiser_cfg).eval()
+        return self._student_models[steps]
+
+    def student_models(self) -> dict[int, tuple[Any, dict[str, Any]]]:
+        """Every student with how it was made, as save_checkpoint takes them (to carry them over)."""
+        return {n: (self.student(n), info) for n, info in self.students.items()}

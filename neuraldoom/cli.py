@@ -81,7 +81,8 @@ def make_engine(a: argparse.Namespace) -> Any:
         if e.name in ("neuraldoom.engine", "neuraldoom.checkpoint"):
             raise missing from None
         raise UsageError(f"cannot load the neural engine: {e}") from None
-    return NeuralEngine.from_checkpoint(ckpt, compile=not a.no_compile, cores=a.cores, dtype=a.dtype)
+    return NeuralEngine.from_checkpoint(ckpt, compile=not a.no_compile, cores=a.cores, dtype=a.dtype,
+                                        steps=a.steps, guidance=a.guidance, teacher=a.teacher)
 
 
 # -- play ---------------------------------------------------------------------------------------------
@@ -94,6 +95,10 @@ def cmd_play(a: argparse.Namespace) -> int:
         raise UsageError(f"--scale must be >= 1, got {a.scale}")
     if a.cores is not None and a.cores < 1:
         raise UsageError(f"--cores must be >= 1, got {a.cores}")
+    if a.steps is not None and not 1 <= a.steps <= 1000:
+        raise UsageError(f"--steps must be between 1 and 1000, got {a.steps}")
+    if a.guidance is not None and a.guidance <= 0:
+        raise UsageError(f"--guidance must be > 0, got {a.guidance}")
     if a.engine == "neural":
         given = [f"--{k.replace('_', '-')}" for k in ("wad", "scenario", "map", "width", "height", "frame_skip")
                  if getattr(a, k) is not None]
@@ -228,6 +233,14 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cores", type=int, default=None,
                    help="neural engine: cores to use (default: all this process may use; 2+ run the two UNet "
                         "passes of each guided step at once, with the same frames; 1: one after the other)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="neural engine: DDIM steps (default: the checkpoint's, 4); where the checkpoint carries a "
+                        "student distilled for N steps it plays, one UNet pass a step")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="neural engine: play the teacher with this classifier-free guidance weight "
+                        "(default: the checkpoint's, 1.5, or a distilled student's folded-in guidance)")
+    p.add_argument("--teacher", action="store_true",
+                   help="neural engine: the teacher with guidance even where a distilled student is carried")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="neural engine: the UNet's dtype (auto: bfloat16 where the CPU has it natively)")
     p.add_argument("--seed", type=int, default=None, help="first episode's seed; each new episode takes the next")

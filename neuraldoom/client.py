@@ -149,8 +149,9 @@ class PlayView:
         win.draw_frame(self.frame)
         if win.overlay:
             fps = win.fps
+            what = getattr(self.engine, "label", self.opts.engine_name)  # the neural engine says which sampler
             win.text([f"{fps:5.1f} FPS  {0.0 if win.paused else fps:5.1f} steps/s  step {self.last_step_ms:5.1f} ms"
-                      f"  {self.opts.engine_name}  seed {self.seed}{'  REC' if self.writer else ''}"
+                      f"  {what}  seed {self.seed}{'  REC' if self.writer else ''}"
                       f"{'  PAUSED' if win.paused else ''}", str(self.action)]
                      + ([win.controls.HELP] if win.help else []))
 

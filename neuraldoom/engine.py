@@ -89,14 +89,17 @@ class NeuralEngine:
     def __init__(self, ckpt: Checkpoint, compile: bool = True, steps: int | None = None,
                  guidance: float | None = None, seed: int = 0, wait_compile: bool = False,
                  cores: int | None = None, parallel: str = "cfg", dtype: str | torch.dtype | None = None,
-                 batched: bool = False) -> None:
+                 batched: bool = False, teacher: bool = False) -> None:
         """compile: use the AOTInductor pass — loaded from the cache, or built (in the background, eager
         meanwhile; or right here with wait_compile) on first use. cores: how many cores to use (default:
         all this process may use; 2 or more give a second stream of work, with 1 intra-op thread each
         per 2 cores). parallel: what the second core does: "cfg" (the unconditional passes), "decode" (the
         frames, one late) or "both". dtype: the UNet's ("auto", "float32", "bfloat16"; bf16 falls back to
         float32 where the CPU lacks it). batched: the two passes of a guided step as one batch-2 call (the
-        pre-split form: faster on one core, no CFG split, numbers that differ by float rounding)."""
+        pre-split form: faster on one core, no CFG split, numbers that differ by float rounding).
+        steps: DDIM steps (default the checkpoint's). Where the checkpoint carries a student distilled for
+        that many steps (guidance folded in), it plays, one pass a step; `teacher`, or an explicit
+        `guidance`, plays the teacher with classifier-free guidance instead."""
         self.ckpt = ckpt
         self.cfg = ckpt.game
         self.n = ckpt.denoiser_cfg.context
@@ -105,10 +108,14 @@ class NeuralEngine:
         self.variables = None
         self.seed = seed
         steps = steps or ckpt.sampler_cfg.steps
-        guidance = ckpt.sampler_cfg.cfg if guidance is None else guidance
-        self.sampler = DDIMSampler(ckpt.denoiser, steps, guidance).eval()
+        self.student = steps if steps in ckpt.students and guidance is None and not teacher else 0
+        if self.student:
+            denoiser, guidance = ckpt.student(steps), 1.0
+        else:
+            denoiser, guidance = ckpt.denoiser, ckpt.sampler_cfg.cfg if guidance is None else guidance
+        self.sampler = DDIMSampler(denoiser, steps, guidance).eval()
         self.dtype = resolve_dtype(dtype)
-        self.eager = denoiser_pass(ckpt.denoiser, self.dtype)
+        self.eager = denoiser_pass(denoiser, self.dtype)
         self.denoise = self.eager  # the pass: eager, or the compiled package once it is there
         self.start_z = AE.encode(self.ae, ckpt.context_frames)  # (N, C, h, w), encoded once
         self.start_actions = torch.as_tensor(ckpt.context_actions, dtype=torch.long)
@@ -137,16 +144,23 @@ class NeuralEngine:
             self._start_compiled(ckpt.path, wait_compile)
         self.reset()
 
+    @property
+    def label(self) -> str:
+        """What plays, for the overlay: e.g. "2-step student, compiled" or "4 steps CFG 1.5, eager"."""
+        n = len(self.sampler.plan)
+        what = f"{n}-step student" if self.student else f"{n} steps CFG {self.sampler.cfg:g}"
+        return f"{what}, {'compiled' if self.compiled else 'eager'}"
+
     # -- the compiled pass ----------------------------------------------------------------------------
     @property
     def compiled(self) -> bool:
         return self.denoise is not self.eager
 
     def _example(self) -> tuple[torch.Tensor, ...]:
-        return example_inputs(self.ckpt.denoiser, self.latent_shape, 2 if self.batched else 1)
+        return example_inputs(self.sampler.denoiser, self.latent_shape, 2 if self.batched else 1)
 
     def _start_compiled(self, ckpt_path: Path, wait: bool) -> None:
-        path = package_path(ckpt_path, self.dtype, batch=2 if self.batched else 1)
+        path = package_path(ckpt_path, self.dtype, batch=2 if self.batched else 1, student=self.student)
         broken = None
         if path.exists():
             run = load_package(path, self.eager, self._example())
@@ -166,7 +180,8 @@ class NeuralEngine:
             return
         print("neuraldoom: compiling the sampler for this machine in the background (once; "
               "eager until it is ready)", file=sys.stderr)
-        self._builder = build_in_background(ckpt_path, self.dtype, broken, 2 if self.batched else 1)
+        self._builder = build_in_background(ckpt_path, self.dtype, broken, 2 if self.batched else 1,
+                                            self.student)
         self._pending = path
 
     def _swap_in_compiled(self) -> None:

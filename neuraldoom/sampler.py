@@ -143,13 +143,15 @@ def cache_dir() -> Path:
 
 
 def package_path(checkpoint: Path, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 batch: int = 1) -> Path:
-    """Where the compiled pass of a checkpoint lives: keyed by its weights and configs, the dtype, the
-    batch, torch, the CPU and the thread count (the package is machine-specific; never commit it)."""
+                 batch: int = 1, student: int = 0) -> Path:
+    """Where the compiled pass of a checkpoint lives: keyed by its weights (the teacher's, or those of its
+    `student`-step student) and configs, the dtype, the batch, torch, the CPU and the thread count (the
+    package is machine-specific; never commit it)."""
     h = hashlib.sha256()
+    weights = checkpoint / "students" / str(student) if student else checkpoint
     for d in ("unet", "action_encoder"):
-        h.update((checkpoint / d / "diffusion_pytorch_model.safetensors").read_bytes())
-        h.update((checkpoint / d / "config.json").read_bytes())
+        h.update((weights / d / "diffusion_pytorch_model.safetensors").read_bytes())
+        h.update((weights / d / "config.json").read_bytes())
     h.update((checkpoint / "autoencoder" / "config.json").read_bytes())  # the latent's shape
     h.update((checkpoint / "config.json").read_bytes())  # frames read, context length
     threads = torch.get_num_threads() if threads is None else threads
@@ -304,10 +306,10 @@ def load_package(path: Path, reference: nn.Module, example: tuple[torch.Tensor, 
 
 
 def build_in_background(checkpoint: Path, dtype: torch.dtype, replace: str | None = None,
-                        batch: int = 1) -> subprocess.Popen:
+                        batch: int = 1, student: int = 0) -> subprocess.Popen:
     """Compile in a separate process (play goes on eagerly meanwhile); the result lands in the cache."""
     cmd = [sys.executable, "-m", "neuraldoom.sampler", str(checkpoint), dtype_name(dtype),
-           str(torch.get_num_threads()), str(batch)] + ([replace] if replace else [])
+           str(torch.get_num_threads()), str(batch), str(student)] + ([replace] if replace else [])
     cache_dir().mkdir(parents=True, exist_ok=True)
     log = open(cache_dir() / "build.log", "ab")  # a failed build explains itself here, not over the game
     try:
@@ -317,19 +319,22 @@ def build_in_background(checkpoint: Path, dtype: torch.dtype, replace: str | Non
 
 
 def _main(argv: list[str]) -> int:
-    """python -m neuraldoom.sampler CHECKPOINT DTYPE THREADS BATCH [REPLACE]: build the compiled pass into
-    the cache (REPLACE: the signature of a broken package to rebuild over)."""
+    """python -m neuraldoom.sampler CHECKPOINT DTYPE THREADS BATCH STUDENT [REPLACE]: build the compiled pass
+    of the teacher (STUDENT 0) or of the STUDENT-step student into the cache (REPLACE: the signature of a
+    broken package to rebuild over)."""
     from . import autoencoder as AE
     from .checkpoint import Checkpoint
 
     ckpt_dir, dtype, threads, batch = Path(argv[0]), DTYPES[argv[1]], int(argv[2]), int(argv[3])
-    replace = argv[4] if len(argv) > 4 else None
+    student = int(argv[4])
+    replace = argv[5] if len(argv) > 5 else None
     torch.set_num_threads(threads)
     ck = Checkpoint(ckpt_dir)
+    denoiser = ck.student(student) if student else ck.denoiser
     shape = (ck.ae.config.latent_channels, *AE.latent_hw(ck.ae, ck.game.height, ck.game.width))
-    path = package_path(ckpt_dir, dtype, threads, batch)
+    path = package_path(ckpt_dir, dtype, threads, batch, student)
     t0 = time.time()
-    if ensure_package(DenoiserPass(ck.denoiser, dtype), example_inputs(ck.denoiser, shape, batch), path, replace):
+    if ensure_package(DenoiserPass(denoiser, dtype), example_inputs(denoiser, shape, batch), path, replace):
         print(f"neuraldoom: compiled the sampler {path.name} in {time.time() - t0:.0f}s", flush=True)
     else:
         print(f"neuraldoom: {path.name} was built by another player; reusing it", flush=True)

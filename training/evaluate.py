@@ -50,7 +50,9 @@ class Args:
     rollout_steps: int = 64
     seed: int = 0
     compile: bool = False  # use the compiled sampler (slower to start, faster to run)
-    guidance: float = 0.0  # CFG weight of the main runs (0 = the checkpoint's own)
+    guidance: float = 0.0  # CFG weight of the main runs (0 = the checkpoint's own); plays the teacher
+    steps: int = 0  # DDIM steps of the main runs (0 = the checkpoint's own); a distilled student where it has one
+    teacher: bool = False  # the teacher with CFG even where a student for these steps is carried
     threads: int = 1
 
 
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     H, W = ckpt.game.height, ckpt.game.width
     # one core, fp32: the same numbers on every machine and run (play may use bf16 and a second core)
     eng = NeuralEngine(ckpt, compile=a.compile, guidance=a.guidance or None, seed=a.seed, wait_compile=True,
-                       cores=1, dtype="float32")
+                       cores=1, dtype="float32", steps=a.steps or None, teacher=a.teacher)
     eng1 = NeuralEngine(ckpt, compile=a.compile, guidance=1.0, seed=a.seed, wait_compile=True, cores=1,
                         dtype="float32")
 
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {
         "checkpoint": str(a.checkpoint),
         "guidance": eng.sampler.cfg,
+        "steps": len(eng.sampler.plan),
+        "student": eng.student,  # 0: the teacher; N: the N-step distilled student
         "n_samples": len(real),
         "tf_psnr": M.psnr(gen, real),
         "tf_psnr_nocfg": M.psnr(gen1, real),
@@ -217,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.json").write_text(json.dumps(report, indent=2))
     _plots(out, report, prev, real, gen, ar_real, ar_gen, alive)
 
-    rows = [(f"teacher-forced PSNR (CFG {eng.sampler.cfg:.1f})", report["tf_psnr"]),
-            ("teacher-forced PSNR (CFG 1.0)", report["tf_psnr_nocfg"]),
+    main_run = (f"{eng.student}-step student" if eng.student else
+                f"{len(eng.sampler.plan)} steps, CFG {eng.sampler.cfg:.1f}")
+    rows = [(f"teacher-forced PSNR ({main_run})", report["tf_psnr"]),
+            ("teacher-forced PSNR (the teacher, CFG 1.0)", report["tf_psnr_nocfg"]),
             ("teacher-forced SSIM", report["tf_ssim"]),
             ("copy-last-frame PSNR", report["copy_last_psnr"]),
             ("mean-frame PSNR", report["mean_frame_psnr"]),

@@ -2,9 +2,13 @@
 
     python -m training.export --checkpoint runs/dm/checkpoint --autoencoder runs/aedec/autoencoder \
         --out checkpoints/e1m1
+    python -m training.export --checkpoint checkpoints/e1m1 --students runs/g4/checkpoint runs/p1/checkpoint \
+        --out checkpoints/e1m1
 
 The denoiser was trained on the latents of one encoder, so the new autoencoder must carry exactly that
-encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused.
+encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused. The
+checkpoint's distilled students come along; --students adds those of other checkpoints (training.distill's
+outputs), each of which must have been distilled from this very denoiser.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderTiny
 
-from neuraldoom.checkpoint import Checkpoint, CheckpointError, load_model_dir, save_checkpoint
+from neuraldoom.checkpoint import Checkpoint, CheckpointError, load_model_dir, save_checkpoint, weights_digest
 from neuraldoom.config import parse_args
 
 MAX_MB = 60
@@ -27,6 +31,7 @@ class Args:
     checkpoint: str  # the trained checkpoint (e.g. runs/dm/checkpoint)
     out: str
     autoencoder: str = ""  # a decoder-fine-tuned autoencoder folder to swap in
+    students: tuple[str, ...] = ()  # checkpoints whose distilled students to carry (later ones win)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +49,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(f"{a.autoencoder} has another encoder or latent normalization than "
                                       f"{a.checkpoint}: the denoiser's latents would not match")
             ae = new
+        students = ck.student_models()
+        base = weights_digest(ck.denoiser)
+        for path in a.students:
+            other = Checkpoint(path)
+            for n, (model, info) in other.student_models().items():
+                if info.get("base") != base:
+                    raise CheckpointError(f"{path}: its {n}-step student was distilled from other weights "
+                                          f"than {a.checkpoint}'s denoiser")
+                students[n] = (model, info)
+        stale = [n for n, (_, info) in students.items() if info.get("base") != base]
+        if stale:
+            raise CheckpointError(f"{a.checkpoint} carries students {stale} of another denoiser")
     except CheckpointError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2
@@ -51,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.autoencoder:
         notes["decoder"] = str(a.autoencoder)
     save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg, ck.context_frames,
-                    ck.context_actions, notes)
+                    ck.context_actions, notes, students)
     mb = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file()) / 2**20
-    print(f"export: {a.out} ({mb:.1f} MB)")
+    print(f"export: {a.out} ({mb:.1f} MB; students: {sorted(students) or 'none'})")
     if mb > MAX_MB:
         print(f"export: warning: over the {MAX_MB} MB limit for a shipped checkpoint", file=sys.stderr)
     return 0

@@ -19,8 +19,14 @@ from neuraldoom import autoencoder as AE
 from neuraldoom.recording import open_dataset
 
 
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def encoder_digest(ae: AutoencoderTiny) -> str:
+    """Identifies what the latents depend on: the encoder's weights and the latent normalization (a
+    decoder-only fine-tune keeps the cache valid)."""
+    h = hashlib.sha256(repr((ae.config.shift_factor, ae.config.scaling_factor)).encode())
+    for k, v in sorted(ae.encoder.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 class LatentSet:
@@ -55,9 +61,9 @@ class LatentSet:
         return self.z[idx].float(), self.z[ctx_rows].float(), codes
 
 
-def build(ae: AutoencoderTiny, ae_dir: Path, data: Path, cache: Path, max_frames: int) -> LatentSet:
+def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int) -> LatentSet:
     """Encode (or reuse) the first frames of each recording under `data`, up to max_frames in all."""
-    digest = file_digest(ae_dir / "diffusion_pytorch_model.safetensors")
+    digest = encoder_digest(ae)
     recs = [r for r in open_dataset(data) if len(r)]
     per = max(1, max_frames // len(recs)) if max_frames else None
     zs, acts, starts, ts = [], [], [], []

@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         game = Recording(find_recordings(data / "train")[0]).game
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
         ae.to(acc.device)  # encode on the accelerator when there is one; the checkpoint keeps a CPU copy
-        train = L.build(ae, ae_dir, data / "train", out / "latents" / "train", a.max_frames)
-        held = L.build(ae, ae_dir, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
+        train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames)
+        held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
         ae.cpu()
     except (CheckpointError, RecordingError) as e:
         print(f"train_diffusion: {e}", file=sys.stderr)

@@ -1,0 +1,126 @@
+"""Distillation (training.distill): the target's algebra, guidance and progressive students on the tiny
+checkpoint and real collected data, resuming, what plays them, and what export lets ship together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from neuraldoom import actions as A
+from neuraldoom.checkpoint import Checkpoint, weights_digest
+from neuraldoom.engine import NeuralEngine
+from neuraldoom.sampler import DDIMSampler, ddim_scheduler
+from training import distill, export
+
+FAST = ["--batch", "4", "--max-frames", "300", "--eval-every", "5", "--save-every", "0"]
+
+
+def run(ckpt, data, out, *extra: str) -> int:
+    return distill.main(["--checkpoint", str(ckpt), "--data", str(data), "--out", str(out), *FAST, *extra])
+
+
+def test_the_student_target_takes_one_ddim_step_to_where_the_teacher_landed():
+    sched = ddim_scheduler()
+    g = torch.Generator().manual_seed(0)
+    x, x_end = torch.randn(3, 4, 5, 6, generator=g), torch.randn(3, 4, 5, 6, generator=g)
+    for t, t2 in [(999, 499), (749, 249), (499, None)]:  # None: the last step, to the clean latent
+        at = sched.alphas_cumprod[t].item()
+        ap = 1.0 if t2 is None else sched.alphas_cumprod[t2].item()
+        v = distill.student_target(x, x_end, at, ap)
+        assert torch.allclose(distill.ddim_step(x, v, at, ap), x_end, atol=1e-3, rtol=1e-4)
+
+
+def test_a_teacher_step_is_the_samplers_step(tiny_checkpoint):
+    """The distillation teacher's guided step is exactly what the engine's sampler does (same plan)."""
+    ck = Checkpoint(tiny_checkpoint)
+    teacher = distill.Teacher(ck, 4)
+    g = torch.Generator().manual_seed(1)
+    C, h, w = 4, 16, 20
+    noise, ctx = torch.randn(1, C, h, w, generator=g), torch.randn(1, 4, C, h, w, generator=g)
+    codes = torch.randint(0, 7, (1, 5, 2), generator=g)
+    want = DDIMSampler(ck.denoiser, 4, ck.sampler_cfg.cfg)(noise, ctx, codes)
+    x = noise
+    with torch.no_grad():
+        for t, at, ap in teacher.plan:
+            v = teacher.v(x, torch.full((1,), t), ctx, codes)
+            x0 = at**0.5 * x - (1 - at) ** 0.5 * v
+            x = distill.ddim_step(x, v, at, ap)
+    assert torch.allclose(ck.denoiser.from_target(x0, ctx[:, -1]), want, atol=1e-5)
+
+
+def test_guidance_distillation_plays_as_the_default(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    out = tmp_path / "g4"
+    assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "4", "--iterations", "3") == 0
+    ck = Checkpoint(out / "checkpoint")
+    info = ck.students[4]
+    assert info["teacher"] == "4-step DDIM, CFG 1.5" and info["base"] == weights_digest(ck.denoiser)
+    assert weights_digest(ck.student(4)) != info["base"]
+    eng = NeuralEngine(ck, compile=False)  # the default 4 steps: the student, one pass a step
+    assert eng.student == 4 and not eng.sampler.guided and "4-step student" in eng.label
+    assert eng.step(A.Action.of("MOVE_FORWARD")).shape == (120, 160, 3)
+    teacher = NeuralEngine(ck, compile=False, teacher=True)
+    assert teacher.student == 0 and teacher.sampler.cfg == 1.5
+    assert NeuralEngine(ck, compile=False, guidance=2.0).student == 0  # an explicit guidance: the teacher
+
+
+def test_progressive_chain_then_export_gathers_students_of_one_teacher(tiny_checkpoint, tiny_dataset, tmp_path,
+                                                                        capsys):
+    p2, p1 = tmp_path / "p2", tmp_path / "p1"
+    assert run(tiny_checkpoint, tiny_dataset, p2, "--steps", "2", "--iterations", "20", "--lr", "1e-3") == 0
+    log = [json.loads(x)["held_loss"] for x in (p2 / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 4 and log[-1] < 0.95 * log[0]  # one step learns to land where the teacher's two do
+    # 1 step needs a 2-step sampler to learn from: the tiny checkpoint has none, p2's has
+    assert run(tiny_checkpoint, tiny_dataset, tmp_path / "bad", "--steps", "1", "--iterations", "1") == 2
+    assert "distil that one first" in capsys.readouterr().err
+    assert run(p2 / "checkpoint", tiny_dataset, p1, "--steps", "1", "--iterations", "3",
+               "--latents", str(p2 / "latents")) == 0
+    ck = Checkpoint(p1 / "checkpoint")
+    assert sorted(ck.students) == [1, 2] and ck.students[1]["teacher"] == "2-step student"
+    assert ck.students[1]["base"] == ck.students[2]["base"] == weights_digest(ck.denoiser)
+    # the 1-step student reused p2's latent cache: nothing was encoded into p1
+    assert not (p1 / "latents").exists()
+    eng = NeuralEngine(ck, compile=False, steps=1)
+    assert eng.student == 1 and len(eng.sampler.plan) == 1
+    shipped = tmp_path / "shipped"
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--students", str(p1 / "checkpoint"),
+                        "--out", str(shipped)]) == 0
+    assert sorted(Checkpoint(shipped).students) == [1, 2]
+    assert torch.equal(next(iter(Checkpoint(shipped).student(1).parameters())),
+                       next(iter(ck.student(1).parameters())))
+    # a student of other weights is refused: one line, exit 2, nothing written
+    other = tmp_path / "other"
+    assert export.main(["--checkpoint", str(p1 / "checkpoint"), "--out", str(other)]) == 0
+    ck2 = Checkpoint(other)
+    with torch.no_grad():
+        next(iter(ck2.denoiser.parameters())).add_(1.0)
+    from neuraldoom.checkpoint import save_checkpoint
+
+    save_checkpoint(other, ck2.ae, ck2.denoiser, ck2.game, ck2.denoiser_cfg, ck2.sampler_cfg, ck2.context_frames,
+                    ck2.context_actions)
+    capsys.readouterr()
+    assert export.main(["--checkpoint", str(other), "--students", str(p1 / "checkpoint"),
+                        "--out", str(tmp_path / "mixed")]) == 2
+    assert "distilled from other weights" in capsys.readouterr().err
+    assert not (tmp_path / "mixed").exists()
+
+
+def test_distill_resumes_with_the_same_weights_and_refuses_other_flags(tiny_checkpoint, tiny_dataset, tmp_path,
+                                                                       capsys):
+    out = tmp_path / "d"
+    assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "2", "--iterations", "4") == 0
+    before = {k: v.clone() for k, v in Checkpoint(out / "checkpoint").student(2).state_dict().items()}
+    assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "2", "--iterations", "4") == 0  # spent: no steps
+    assert "resuming at step 4" in capsys.readouterr().out
+    after = Checkpoint(out / "checkpoint").student(2).state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "4", "--iterations", "5") == 2
+    assert "--steps 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--steps", "2", "--teacher-steps", "3"]])
+def test_bad_step_counts_are_one_line(tiny_checkpoint, tiny_dataset, tmp_path, capsys, bad):
+    assert run(tiny_checkpoint, tiny_dataset, tmp_path / "x", *bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distill: ") and err.count("\n") == 1

@@ -1,0 +1,263 @@
+"""Distil the 4-step guided DDIM sampler into students that need fewer UNet passes a frame.
+
+    python -m training.distill --checkpoint checkpoints/e1m1 --data data/e1m1 --out runs/g4 --steps 4
+    python -m training.distill --checkpoint checkpoints/e1m1 --data data/e1m1 --out runs/p2 --steps 2
+    python -m training.distill --checkpoint runs/p2/checkpoint --data data/e1m1 --out runs/p1 --steps 1
+
+A student has the teacher's architecture and starts from its weights. The teacher is the checkpoint's
+sampler at --teacher-steps (default: twice --steps, at most the checkpoint's own step count): its student
+for that many steps where the checkpoint carries one, else the denoiser with classifier-free guidance.
+- same step count (the first command): guidance distillation (Meng et al. 2023) — the student's one pass
+  learns the guided pair's combined v, so CFG costs nothing at play;
+- half the steps: progressive distillation (Salimans & Ho 2022) — one student DDIM step learns to land
+  where two teacher steps land: from x_t the teacher steps twice to x_t''; the student's target is the
+  clean estimate x0 for which one DDIM step from x_t gives x_t'' exactly, as a v target.
+Both train only at the student's own timesteps, on noised held-in latents with their real context (clean,
+as at play), with the v-MSE loss, AdamW, EMA and gradient clipping, like train_diffusion.
+
+Every --save-every seconds it writes, atomically, OUT/train_state.safetensors (rerunning the same command
+resumes) and OUT/checkpoint: the teacher's checkpoint carrying the students it had plus this one, so
+`python main.py --checkpoint OUT/checkpoint --steps N` plays it and `training.evaluate --steps N` measures
+it. `training.export --students` gathers students of one teacher into a shipped checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers.optimization import get_constant_schedule_with_warmup
+from diffusers.training_utils import EMAModel
+from tqdm import tqdm
+
+from neuraldoom.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_optimizer,
+    load_state,
+    optimizer_tensors,
+    save_checkpoint,
+    save_state,
+    weights_digest,
+)
+from neuraldoom.config import parse_args
+from neuraldoom.denoiser import Denoiser
+from neuraldoom.recording import RecordingError
+from neuraldoom.sampler import DDIMSampler
+from training import latents as L
+from training import trainer
+
+
+@dataclass(frozen=True)
+class Args:
+    checkpoint: str  # the teacher's checkpoint (and the students it carries)
+    data: str  # dataset folder with train/ and heldout/ recordings
+    out: str  # run folder (resumed if it holds a state)
+    steps: int = 2  # the student's DDIM steps
+    teacher_steps: int = 0  # 0: 2 x steps, at most the checkpoint's own step count
+    latents: str = ""  # latent cache folder (default OUT/latents); another run's is reused if the encoder matches
+    max_frames: int = 60000  # frames of DATA/train to encode (0 = all)
+    minutes: float = 0.0  # stop (and save) after this much wall time in all; 0 = no limit
+    iterations: int = 100000
+    batch: int = 32
+    lr: float = 1e-4
+    warmup: int = 100
+    ema: float = 0.999
+    save_every: float = 300.0  # seconds
+    eval_every: int = 100
+    seed: int = 0
+    precision: str = "auto"
+    threads: int = 1
+
+
+ARCHITECTURE = ("checkpoint", "steps", "teacher_steps")
+
+
+class Teacher:
+    """The sampler being distilled: `v(x, t, context, codes)` is its (guided) prediction at one step."""
+
+    def __init__(self, ck: Checkpoint, steps: int) -> None:
+        self.student = steps in ck.students
+        self.model = ck.student(steps) if self.student else ck.denoiser
+        self.cfg = 1.0 if self.student else ck.sampler_cfg.cfg
+        self.plan = DDIMSampler(self.model, steps, self.cfg).plan
+        self.name = f"{steps}-step student" if self.student else f"{steps}-step DDIM, CFG {self.cfg:g}"
+
+    @torch.no_grad()
+    def v(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        bucket = torch.zeros_like(t)  # clean context, as at play
+        if self.cfg == 1.0:
+            return self.model(x, t, ctx, codes, bucket).float()
+        v2 = self.model(torch.cat([x, x]), t.repeat(2), torch.cat([ctx, torch.zeros_like(ctx)]),
+                        torch.cat([codes, codes]), bucket.repeat(2)).float()
+        vc, vu = v2.chunk(2)
+        return vu + self.cfg * (vc - vu)
+
+
+def ddim_step(x: torch.Tensor, v: torch.Tensor, at: float, ap: float) -> torch.Tensor:
+    """One DDIM (eta 0) step of a v-prediction from alpha_bar `at` to `ap` (exactly the sampler's)."""
+    x0 = at**0.5 * x - (1 - at) ** 0.5 * v
+    eps = at**0.5 * v + (1 - at) ** 0.5 * x
+    return ap**0.5 * x0 + (1 - ap) ** 0.5 * eps
+
+
+def student_target(x: torch.Tensor, x_end: torch.Tensor, at: float, ap: float) -> torch.Tensor:
+    """The v that takes x (at alpha_bar `at`) to x_end (at `ap`) in one DDIM step: solve
+    x_end = a'' x0 + s'' (x - a x0) / s for x0, then v = (a x - x0) / s."""
+    a, s, a2, s2 = at**0.5, (1 - at) ** 0.5, ap**0.5, (1 - ap) ** 0.5
+    x0 = (x_end - s2 / s * x) / (a2 - s2 / s * a)
+    return (a * x - x0) / s
+
+
+def distill_batch(student: torch.nn.Module, teacher: Teacher, plan: list, batch: tuple, gen: torch.Generator,
+                  device: torch.device) -> torch.Tensor:
+    """The loss of one batch: a random student step per sample, the teacher's k = len(teacher.plan) /
+    len(plan) steps from the same x_t as its target."""
+    z, ctx, codes = (b.to(device) for b in batch)
+    B, k = len(z), len(teacher.plan) // len(plan)
+    raw: Denoiser = getattr(student, "module", student)
+    y = raw.to_target(z, ctx[:, -1])
+    i = torch.randint(0, len(plan), (B,), generator=gen)
+    eps = torch.randn(y.shape, generator=gen).to(device)
+    loss = torch.zeros((), device=device)
+    for step in i.unique().tolist():  # the samples at each student step, as one sub-batch
+        m = (i == step).to(device)
+        t, at, ap = plan[step]
+        x = at**0.5 * y[m] + (1 - at) ** 0.5 * eps[m]
+        xe = x
+        for tt, a1, a2 in teacher.plan[step * k:(step + 1) * k]:
+            tv = torch.full((len(xe),), tt, dtype=torch.long, device=device)
+            xe = ddim_step(xe, teacher.v(xe, tv, ctx[m], codes[m]), a1, a2)
+        target = student_target(x, xe, at, ap)
+        tv = torch.full((len(x),), t, dtype=torch.long, device=device)
+        pred = student(x, tv, ctx[m], codes[m], torch.zeros_like(tv)).float()
+        loss = loss + F.mse_loss(pred, target, reduction="sum") / y[0].numel()
+    return loss / B
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(Args, argv, __doc__)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    out = Path(a.out)
+    state_path = out / "train_state.safetensors"
+    try:
+        acc = trainer.accelerator(a.precision)
+        ck = Checkpoint(a.checkpoint)
+        own = ck.sampler_cfg.steps
+        t_steps = a.teacher_steps or min(2 * a.steps, own)
+        if a.steps < 1 or t_steps not in (a.steps, 2 * a.steps):
+            raise CheckpointError(f"--teacher-steps must be --steps (guidance) or twice it, not {t_steps} "
+                                  f"for --steps {a.steps}")
+        if t_steps != own and t_steps not in ck.students:
+            raise CheckpointError(f"{a.checkpoint} has no {t_steps}-step sampler to learn from: distil that "
+                                  f"one first (it plays {own} steps; students: {sorted(ck.students) or 'none'})")
+        teacher = Teacher(ck, t_steps)
+        base = ck.students[t_steps]["base"] if teacher.student else weights_digest(ck.denoiser)
+        cache = Path(a.latents) if a.latents else out / "latents"
+        data = Path(a.data)
+        out.mkdir(parents=True, exist_ok=True)
+        train = L.build(ck.ae, data / "train", cache / "train", a.max_frames)
+        held = L.build(ck.ae, data / "heldout", cache / "heldout", max(a.max_frames // 10, 2000))
+    except (CheckpointError, RecordingError, ValueError) as e:
+        print(f"distill: {e}", file=sys.stderr)
+        return 2
+    plan = DDIMSampler(teacher.model, a.steps, 1.0).plan
+    model = copy.deepcopy(teacher.model).train()
+    teacher.model.to(acc.device).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    ema = EMAModel(model.parameters(), decay=a.ema, use_ema_warmup=True, power=3 / 4)
+    step, seen, elapsed = 0, 0, 0.0
+    if state_path.exists():
+        try:
+            tensors, meta = load_state(state_path)
+            trainer.check_same_architecture(meta.get("args", {}), a, ARCHITECTURE, state_path)
+        except CheckpointError as e:
+            print(f"distill: {e}", file=sys.stderr)
+            return 2
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        load_optimizer(opt, tensors, meta)
+        ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
+        ema.optimization_step = meta["ema_step"]
+        step, seen, elapsed = int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
+        print(f"distill: resuming at step {step}")
+    lr_sched = get_constant_schedule_with_warmup(opt, a.warmup, last_epoch=step - 1 if step else -1)
+    model, opt = acc.prepare(model, opt)
+    raw = acc.unwrap_model(model)
+    gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
+    held_batch = held.window(held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]],
+                             raw.context)
+
+    @torch.no_grad()
+    def held_loss() -> float:
+        raw.eval()
+        with acc.autocast():
+            loss = distill_batch(raw, teacher, plan, held_batch, torch.Generator().manual_seed(1), acc.device)
+        raw.train()
+        return float(loss)
+
+    def save() -> None:
+        if not acc.is_main_process:
+            return
+        t, m = optimizer_tensors(opt)
+        t.update({f"model.{k}": v for k, v in raw.state_dict().items()})
+        t.update({f"ema.{i}": p for i, p in enumerate(ema.shadow_params)})
+        now = elapsed + time.time() - t0
+        save_state(state_path, t, {**m, "step": step, "seen": seen, "ema_step": ema.optimization_step,
+                                   "elapsed": now, "args": asdict(a)})
+        shipped = copy.deepcopy(raw).cpu().eval()
+        ema.copy_to(shipped.parameters())
+        info = {"steps": a.steps, "teacher": teacher.name, "base": base, "distilled_from": str(a.checkpoint),
+                "iterations": step, "samples": seen, "minutes": round(now / 60, 1), "batch": a.batch, "lr": a.lr}
+        students = {**ck.student_models(), a.steps: (shipped, info)}
+        save_checkpoint(out / "checkpoint", ck.ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg,
+                        ck.context_frames, ck.context_actions, ck.config.get("notes", {}), students)
+
+    log = open(out / "log.jsonl", "a")
+    t0 = last_save = time.time()
+    seen0 = seen
+    print(f"distill: {a.steps}-step student of the {teacher.name}, {len(train)} training targets")
+    bar = tqdm(total=a.iterations, initial=step, desc=f"distill {a.steps}", mininterval=10)
+    while step < a.iterations and not (a.minutes and elapsed >= a.minutes * 60):
+        idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
+        with acc.autocast():
+            loss = distill_batch(model, teacher, plan, train.window(idx, raw.context), gen, acc.device)
+        opt.zero_grad(set_to_none=True)
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lr_sched.step()
+        ema.step(raw.parameters())
+        step += 1
+        seen += a.batch
+        sps = (seen - seen0) / (time.time() - t0)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{sps:.1f}", refresh=False)
+        if step % a.eval_every == 0:
+            rec = {"step": step, "samples": seen, "loss": loss.item(), "held_loss": held_loss(),
+                   "samples_per_s": sps, "minutes": (elapsed + time.time() - t0) / 60}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.write(json.dumps(rec))
+        timeout = a.minutes and elapsed + time.time() - t0 > a.minutes * 60
+        if time.time() - last_save > a.save_every or step == a.iterations or timeout:
+            save()
+            last_save = time.time()
+        if timeout:
+            break
+    bar.close()
+    if step and not (out / "checkpoint").exists():
+        save()
+    print(f"distill: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
+          f"checkpoint in {out / 'checkpoint'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
