@@ -23,8 +23,9 @@ import numpy as np
 
 from . import metrics as M
 from .actions import NOOP, Action, StickyRandomPolicy
+from .config import TICS_PER_SECOND, WINDOW_SCALE, GameConfig
 from .recording import Recording, unwritable
-from .window import TICS_PER_SECOND, Window, check_display
+from .window import Window, check_display
 
 WARMUP_SPREAD = 80  # random extra real steps before a random-play clip, so clips start in different places
 PAPER = {1.6: 0.58, 3.2: 0.60}
@@ -108,7 +109,7 @@ def make_clips(real: Any, neural: Any, count: int, frames: int, rng: np.random.G
         if recording is not None:  # replay a recorded episode from its seed up to a random start
             s, e = episodes[int(rng.integers(len(episodes)))]
             ep_seed = int(recording.steps["seed"][s])
-            acts = [Action(int(b), int(t)) for b, t in recording.actions[s:e]]
+            acts = [Action.from_code(c) for c in recording.actions[s:e]]
             start = int(rng.integers(min(n - 1, e - s - frames), e - s - frames + 1))
             clip_actions = acts[start:start + frames]
             warm_actions: list[Action] = acts[:start]
@@ -119,10 +120,10 @@ def make_clips(real: Any, neural: Any, count: int, frames: int, rng: np.random.G
             warm_actions = [policy() for _ in range(start)]
             clip_actions = [policy() for _ in range(frames)]
         frame = real.reset(ep_seed)
-        hist.append((frame.copy(), np.array([NOOP.buttons, NOOP.turn])))
+        hist.append((frame.copy(), NOOP.code))
         for a in warm_actions:
             frame = real.step(a)
-            hist.append((frame.copy(), np.array([a.buttons, a.turn])))
+            hist.append((frame.copy(), a.code))
         neural.reset(ep_seed)
         neural.set_context(*map(np.stack, zip(*hist, strict=True)))
         r, g = [], []
@@ -195,7 +196,9 @@ class PairView:
 class HumanRater:
     """A window that plays clip A, then clip B, then waits for 1/A or 2/B (Space replays, Esc quits)."""
 
-    def __init__(self, height: int, width: int, scale: int = 4, fps: float = 17.5, headless: bool = False) -> None:
+    def __init__(self, height: int, width: int, scale: int = WINDOW_SCALE,
+                 fps: float = TICS_PER_SECOND / GameConfig.frame_skip,
+                 headless: bool = False) -> None:
         self.win = Window("neuraldoom A/B test: which clip is the real game?", scale, headless, max(18, 7 * scale))
         self.win.resize((width * scale, height * scale))
         self.fps, self.headless = fps, headless
@@ -213,7 +216,7 @@ class HumanRater:
 
 
 def run_abtest(checkpoint: str | Path, clips: int = 10, seconds: float = 1.6, answers: str | Path = "abtest.jsonl",
-               auto: bool = False, compile: bool = False, seed: int | None = None, scale: int = 4,
+               auto: bool = False, compile: bool = False, seed: int | None = None, scale: int = WINDOW_SCALE,
                recording: str | Path | None = None, headless: bool = False,
                rater: Callable[[Clip, int, int], str | None] | None = None) -> dict[str, Any]:
     """Run a blind A/B test; every answer is appended to `answers`. Returns this session's summary."""
@@ -274,7 +277,7 @@ def run_abtest(checkpoint: str | Path, clips: int = 10, seconds: float = 1.6, an
                     "psnr": round(M.psnr(clip.neural, clip.real), 3),
                     "sharpness": round(M.sharpness(clip.neural, clip.real), 4),
                     "checkpoint": str(checkpoint), "source": f"recording:{rec.path}" if rec else "random",
-                    "actions": [[a.buttons, a.turn] for a in clip.actions],
+                    "actions": [a.code.tolist() for a in clip.actions],
                 }
                 try:
                     f.write(json.dumps(row) + "\n")

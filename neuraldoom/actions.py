@@ -56,6 +56,15 @@ class Action:
             bits |= 1 << BUTTONS.index(n)
         return cls(bits, turn_bucket(turn))
 
+    @property
+    def code(self) -> np.ndarray:
+        """[buttons bitmask, turn bucket] int64: how recordings, the ring buffer and the model hold it."""
+        return np.array([self.buttons, self.turn], np.int64)
+
+    @classmethod
+    def from_code(cls, code: np.ndarray | list[int]) -> Action:
+        return cls(int(code[0]), int(code[1]))
+
     def pressed(self) -> tuple[str, ...]:
         return tuple(b for i, b in enumerate(BUTTONS) if self.buttons >> i & 1)
 
@@ -93,14 +102,14 @@ def turn_bucket(degrees_per_tic: float) -> int:
 
 def encode(actions: list[Action]) -> np.ndarray:
     """Actions -> (T, 2) int64 [buttons bitmask, turn bucket], the model's and the recordings' encoding."""
-    return np.array([[a.buttons, a.turn] for a in actions], dtype=np.int64).reshape(-1, 2)
+    return np.array([a.code for a in actions], dtype=np.int64).reshape(-1, 2)
 
 
 def decode(codes: np.ndarray) -> list[Action]:
     codes = np.asarray(codes)
     if codes.ndim != 2 or codes.shape[1] != 2:
         raise ActionError(f"action codes must have shape (T, 2), got {codes.shape}")
-    return [Action(int(b), int(t)) for b, t in codes]
+    return [Action.from_code(c) for c in codes]
 
 
 def button_bits(codes: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ import numpy as np
 import vizdoom as vzd
 
 from . import actions as A
-from .config import GameConfig
+from .config import EPISODE_TICS, GameConfig
 from .game import GAME_VARIABLES, RealGame
 from .recording import RecordingWriter
 from .reward import TERMS, RewardConfig, VisitedCells, reward
@@ -37,7 +37,7 @@ ACTION_FEATURES = A.NUM_BUTTONS + A.NUM_TURNS  # 13 per past action
 
 @dataclass(frozen=True)
 class AgentEnvConfig:
-    game: GameConfig = GameConfig(automap=True, episode_timeout=2100)
+    game: GameConfig = GameConfig(automap=True, episode_timeout=EPISODE_TICS)
     reward: RewardConfig = RewardConfig()
     hold: int = 4  # model steps each agent action is held for (4 x frame_skip 2 = 8 tics)
     repeat_prob: float = 0.5  # chance the env repeats the previous action instead of the chosen one

@@ -24,17 +24,16 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .actions import StickyRandomPolicy
 from .checkpoint import Checkpoint, CheckpointError
+from .config import DEFAULT_CHECKPOINT, resolve_checkpoint
 from .engine import NeuralEngine, bf16_supported, default_dtype, usable_cores
 from .sampler import dtype_name
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "e1m1"
 LATE = ("decode", "both")  # parallel modes that show each frame one step late
 
 
@@ -47,6 +46,7 @@ class Variant:
     cores: int
     parallel: str = "cfg"
     batched: bool = False  # the CFG pair as one batch-2 call (the pre-split form; no 2:cfg then)
+    student: bool = False  # the checkpoint's distilled student for `steps` (guidance folded in: cfg 1)
     default: bool = False  # what `python main.py` plays (compiled or eager)
     ckpt: Checkpoint | None = None
     eng: NeuralEngine | None = None
@@ -75,8 +75,9 @@ def start(v: Variant, threads: int, failed: set, seed: int = 0) -> None:
     eager, marked eager*)."""
     torch.set_num_threads(threads if v.cores == 1 else 1)
     t0 = time.perf_counter()
-    v.eng = NeuralEngine(v.ckpt, compile=v.compile and v.dtype not in failed, steps=v.steps, guidance=v.cfg,
-                         wait_compile=True, cores=v.cores, parallel=v.parallel, dtype=v.dtype, batched=v.batched)
+    v.eng = NeuralEngine(v.ckpt, compile=v.compile and v.dtype not in failed, steps=v.steps,
+                         guidance=None if v.student else v.cfg, teacher=not v.student, wait_compile=True,
+                         cores=v.cores, parallel=v.parallel, dtype=v.dtype, batched=v.batched)
     v.start_s = time.perf_counter() - t0
     if v.compile and not v.eng.compiled:
         failed.add(v.dtype)
@@ -116,20 +117,25 @@ def real_fps(ckpt: Checkpoint, steps: int = 500) -> float:
 
 
 def variants(ckpt: Checkpoint, modes: list[bool], steps_list: list[int], quick: bool) -> list[Variant]:
-    """The grid (mode x CFG x steps x 1/2 cores), the (a)/(b)/(c) comparison at the checkpoint's settings,
-    and the other dtype (bf16 vs float32) compiled at those settings."""
+    """The grid (mode x CFG x steps x 1/2 cores) of the teacher and of each distilled student the
+    checkpoint carries, the (a)/(b)/(c) comparison at the checkpoint's settings, and the other dtype (bf16
+    vs float32) compiled at those settings. Default: what `python main.py` plays (a student for the
+    checkpoint's step count where it carries one)."""
     guided, steps0, dt = ckpt.sampler_cfg.cfg, ckpt.sampler_cfg.steps, default_dtype()
     two = usable_cores() >= 2
+    by_student = steps0 in ckpt.students
     out = []
     for comp in modes:
         for cfg in dict.fromkeys((guided, 1.0)):
             for steps in steps_list:
                 g = cfg != 1.0
-                out.append(Variant(comp, dt, cfg, steps, 1, default=(cfg, steps) == (guided, steps0) and not
-                                   (two and g)))
+                dflt = (cfg, steps) == (guided, steps0) and not by_student
+                out.append(Variant(comp, dt, cfg, steps, 1, default=dflt and not (two and g)))
                 # a second core without CFG has only the decode to take
-                out.append(Variant(comp, dt, cfg, steps, 2, "cfg" if g else "decode",
-                                   default=(cfg, steps) == (guided, steps0) and two and g))
+                out.append(Variant(comp, dt, cfg, steps, 2, "cfg" if g else "decode", default=dflt and two and g))
+        for n in sorted(ckpt.students, reverse=True):
+            out.append(Variant(comp, dt, 1.0, n, 1, student=True, default=n == steps0 and not two))
+            out.append(Variant(comp, dt, 1.0, n, 2, "decode", student=True, default=n == steps0 and two))
         if guided != 1.0:
             out += [Variant(comp, dt, guided, steps0, 2, p) for p in LATE]
             out += [Variant(comp, dt, guided, steps0, 1, batched=True),
@@ -152,7 +158,7 @@ def latent_gap(a: NeuralEngine, b: NeuralEngine, steps: int = 8) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    p.add_argument("--checkpoint", default=None, help=f"default: {DEFAULT_CHECKPOINT} in the repository")
     p.add_argument("--frames", type=int, default=None, help="timed frames per row (default 30; 10 with --quick)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds the frames are split into")
     p.add_argument("--steps", type=int, nargs="+", default=None, help="DDIM step counts (default 4 2 1)")
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
-        ckpt = Checkpoint(a.checkpoint)
+        ckpt = Checkpoint(resolve_checkpoint(a.checkpoint))
     except CheckpointError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     guided, steps0, dt = ckpt.sampler_cfg.cfg, ckpt.sampler_cfg.steps, default_dtype()
     key = lambda v: (v.compile, v.dtype, v.cfg, v.steps, v.cores, v.parallel, v.batched)  # noqa: E731
-    by = {key(v): v for v in vs}
+    by = {key(v): v for v in vs if not v.student}
     base = by.get((True, dt, guided, steps0, 1, "cfg", False))
     if base is None or not base.eng.compiled:
         base = by[(False, dt, guided, steps0, 1, "cfg", False)]
@@ -189,17 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint {a.checkpoint}: context {ckpt.denoiser_cfg.context}, {ckpt.game.width}x{ckpt.game.height}, "
           f"{usable_cores()} usable cores, torch {torch.__version__}, {frames} frames per row in {rounds} rounds; "
           f"x base: FPS over {base.mode} {dtype_name(base.dtype)} CFG {guided:g} {steps0} steps 1 core")
-    print(f"{'mode':<9}{'dtype':<9}{'CFG':>4}{'steps':>6}{'cores':>10}{'sample ms':>10}{'decode ms':>10}"
+    print(f"{'mode':<9}{'dtype':<9}{'sampler':>8}{'CFG':>4}{'steps':>6}{'cores':>10}{'sample ms':>10}{'decode ms':>10}"
           f"{'frame ms':>9}{'FPS':>7}{'x base':>7}{'cpu ms':>8}{'busiest':>8}{'start s':>8}")
     for v in vs:
         busiest = max(v.ms("main"), v.ms("cpu") - v.ms("main"))
-        mark = "*" if v.parallel in LATE and v.cores > 1 else (" <" if v.default else "")
-        print(f"{v.mode:<9}{dtype_name(v.dtype):<9}{v.cfg:>4.1f}{v.steps:>6}{v.cores_label:>10}{v.ms('sample'):>10.1f}"
+        mark = ("*" if v.parallel in LATE and v.cores > 1 else "") + (" <" if v.default else "")
+        who = "student" if v.student else "DDIM"
+        print(f"{v.mode:<9}{dtype_name(v.dtype):<9}{who:>8}{v.cfg:>4.1f}{v.steps:>6}{v.cores_label:>10}{v.ms('sample'):>10.1f}"
               f"{v.ms('decode'):>10.1f}{v.ms('wall'):>9.1f}{fps(v):>7.1f}{fps(v) / fps(base):>7.2f}{v.ms('cpu'):>8.1f}"
               f"{busiest:>8.1f}{v.start_s:>8.1f}{mark}")
-    print(f"{'real ViZDoom':<38}{'':>20}{1000 / rfps:>9.2f}{rfps:>7.0f}")
+    print(f"{'real ViZDoom':<46}{'':>20}{1000 / rfps:>9.2f}{rfps:>7.0f}")
     print("<: what `python main.py` plays by default; *: one frame of latency; eager*: the compile failed; "
-          "/b2: the CFG pair as one batch-2 call")
+          "/b2: the CFG pair as one batch-2 call; student: distilled, guidance folded in")
     for comp in ([False] if a.no_compile else [False, True]):
         k = (comp, dt, guided, steps0)
         one = by.get((*k, 1, "cfg", False))

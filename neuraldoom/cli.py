@@ -22,10 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .actions import ActionError
-from .config import GameConfig
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CHECKPOINT = "checkpoints/e1m1"  # relative to the repository root, so it works from any cwd
+from .config import DEFAULT_CHECKPOINT, MOUSE_SENSITIVITY, WINDOW_SCALE, GameConfig, resolve_checkpoint
 
 
 class UsageError(RuntimeError):
@@ -53,15 +50,6 @@ def _is_user_error(e: BaseException) -> bool:
     return isinstance(e, (ValueError, RuntimeError)) and type(e).__module__.startswith("neuraldoom.")
 
 
-def resolve_checkpoint(path: str | None) -> Path:
-    if path is None:
-        return REPO_ROOT / DEFAULT_CHECKPOINT
-    p = Path(path).expanduser()
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        return REPO_ROOT / p  # `--checkpoint checkpoints/x` from outside the repository
-    return p
-
-
 def make_engine(a: argparse.Namespace) -> Any:
     """The engine for `play`, imported lazily: the real game needs no torch, the neural one no ViZDoom."""
     if a.engine == "real":
@@ -82,7 +70,7 @@ def make_engine(a: argparse.Namespace) -> Any:
             raise missing from None
         raise UsageError(f"cannot load the neural engine: {e}") from None
     return NeuralEngine.from_checkpoint(ckpt, compile=not a.no_compile, cores=a.cores, dtype=a.dtype,
-                                        steps=a.steps, guidance=a.guidance, teacher=a.teacher)
+                                        steps=a.steps, guidance=a.guidance, teacher=a.teacher, parallel="auto")
 
 
 # -- play ---------------------------------------------------------------------------------------------
@@ -249,10 +237,10 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=None, help="stop after N steps")
     p.add_argument("--input", choices=("keyboard", "random"), default="keyboard",
                    help="keyboard+mouse, or sticky random play")
-    p.add_argument("--scale", type=int, default=4, help="window scale (nearest neighbour)")
+    p.add_argument("--scale", type=int, default=WINDOW_SCALE, help="window scale (nearest neighbour)")
     p.add_argument("--fps", type=float, default=None, help="steps per second (default 35 / frame_skip)")
     p.add_argument("--uncapped", action="store_true", help="do not pace the loop")
-    p.add_argument("--sensitivity", type=float, default=0.25, help="mouse: degrees of turn per pixel")
+    p.add_argument("--sensitivity", type=float, default=MOUSE_SENSITIVITY, help="mouse: degrees of turn per pixel")
     p.add_argument("--no-overlay", action="store_true", help="start with the overlay hidden (F1 toggles)")
     p.add_argument("--side-by-side", action="store_true",
                    help="real ViZDoom | neural engine in one window, the same actions to both (--engine ignored); "
@@ -311,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--no-compile", action="store_true", help="neural engine: skip torch.compile (faster start)")
     ab.add_argument("--threads", type=int, default=1, help="neural engine: torch threads")
     ab.add_argument("--seed", type=int, default=None, help="seed for clip order, play and sampling (default random)")
-    ab.add_argument("--scale", type=int, default=4, help="window scale")
+    ab.add_argument("--scale", type=int, default=WINDOW_SCALE, help="window scale")
     ab.add_argument("--headless", action="store_true", help="dummy video driver (testing)")
     ab.set_defaults(func=cmd_abtest)
     return p

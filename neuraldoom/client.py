@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from .actions import Action
-from .config import GameConfig
+from .config import MOUSE_SENSITIVITY, TICS_PER_SECOND, WINDOW_SCALE, GameConfig
 from .recording import RecordingWriter, unwritable
-from .window import TICS_PER_SECOND, ClientError, Window, check_display, display_available
+from .window import ClientError, Window, check_display, display_available
 
 
 class Engine(Protocol):
@@ -40,14 +40,14 @@ class Engine(Protocol):
 class ClientOptions:
     engine_name: str = "neural"  # recorded in the recording's metadata
     seed: int | None = None  # first episode's seed (None: a random one); each reset takes the next
-    scale: int = 4  # window = frame size x scale, nearest-neighbour
+    scale: int = WINDOW_SCALE  # window = frame size x scale, nearest-neighbour
     fps: float | None = None  # steps per second; None = the game's own speed, 35 / frame_skip
     uncapped: bool = False  # no pacing at all (benchmarks)
     headless: bool = False  # dummy video driver, no pacing, summary line at the end
     frames: int | None = None  # stop after this many engine steps (required headless)
     input: str = "keyboard"  # "keyboard" or "random"
     record: str | Path | None = None  # folder for a RecordingWriter
-    sensitivity: float = 0.25  # mouse: degrees of turn per pixel
+    sensitivity: float = MOUSE_SENSITIVITY  # mouse: degrees of turn per pixel
     overlay: bool = True
 
     def rate(self, frame_skip: int) -> float:

@@ -8,12 +8,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
 TICS_PER_SECOND = 35  # DOOM's game clock; one model step is GameConfig.frame_skip tics
+EPISODE_TICS = 60 * TICS_PER_SECOND  # a recorded episode's timeout: one minute (collect, the agent)
+DEFAULT_CHECKPOINT = "checkpoints/e1m1"  # relative to the repository root, so it resolves from any cwd
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WINDOW_SCALE = 4  # window = frame size x scale, nearest neighbour
+MOUSE_SENSITIVITY = 0.25  # degrees of turn per pixel of mouse x-motion
 
 # Recorded with every step; the agent's reward and the status-bar reader read them. Defined here, not in
 # game.py, so that recordings, rewards and metrics never import ViZDoom.
@@ -109,8 +115,13 @@ def dumps(cfg: Any) -> str:
 
 
 __all__ = [
+    "DEFAULT_CHECKPOINT",
+    "EPISODE_TICS",
     "GAME_VARIABLES",
+    "MOUSE_SENSITIVITY",
+    "REPO_ROOT",
     "TICS_PER_SECOND",
+    "WINDOW_SCALE",
     "GameConfig",
     "AutoencoderConfig",
     "DenoiserConfig",
@@ -118,12 +129,39 @@ __all__ = [
     "to_dict",
     "from_dict",
     "dumps",
+    "parse_args",
+    "resolve_checkpoint",
 ]
 
 
+def game_mismatch(got: GameConfig, trained: GameConfig) -> str | None:
+    """How a game (a recording's, the real one's) differs from the game a checkpoint learned, in what the
+    picture depends on, as the end of a sentence; None when it does not. The one such check."""
+    if (got.width, got.height) != (trained.width, trained.height):
+        return f"is {got.width}x{got.height} but the checkpoint was trained on {trained.width}x{trained.height}"
+    for f in ("frame_skip", "map", "scenario", "hud"):
+        if getattr(got, f) != getattr(trained, f):
+            return f"has {f}={getattr(got, f)!r} but the checkpoint was trained on {f}={getattr(trained, f)!r}"
+    if Path(got.wad).name.lower() != Path(trained.wad).name.lower():
+        return f"is from {got.wad!r} but the checkpoint was trained on {trained.wad!r}"
+    return None
+
+
+def resolve_checkpoint(path: str | None) -> Path:
+    """A checkpoint folder: the default one in the repository, or PATH (a relative PATH that is not here
+    but is in the repository, e.g. `--checkpoint checkpoints/x` from elsewhere, resolves there)."""
+    if path is None:
+        return REPO_ROOT / DEFAULT_CHECKPOINT
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        return REPO_ROOT / p
+    return p
+
+
 def parse_args(cls: type[T], argv: list[str] | None, doc: str | None = None) -> T:
-    """Command-line flags for every field of a frozen dataclass (--field-name); bools are switches,
-    tuples take several values; fields without a default are required."""
+    """Command-line flags for every field of a frozen dataclass (--field-name); bools are --x/--no-x
+    switches, tuples take several values; fields without a default are required; a field with
+    metadata {"positional": True} is a positional argument (a tuple one takes one or more)."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,8 +170,10 @@ def parse_args(cls: type[T], argv: list[str] | None, doc: str | None = None) -> 
         typ = str(f.type)
         required = f.default is dataclasses.MISSING
         default = None if required else f.default
-        if typ == "bool":
-            p.add_argument(name, action="store_true", default=default)
+        if typ == "bool":  # --flag / --no-flag: a default of True can be switched off
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=default)
+        elif f.metadata.get("positional"):
+            p.add_argument(f.name, nargs="+" if typ.startswith("tuple") else None)
         elif typ.startswith("tuple"):
             inner = float if "float" in typ else int if "int" in typ else str
             p.add_argument(name, type=inner, nargs="+", default=default, required=required)

@@ -21,6 +21,7 @@ import numpy as np
 import pygame
 
 from . import actions as A
+from .config import MOUSE_SENSITIVITY
 
 # Client commands returned by handle(): the loop acts on them, the engine never sees them.
 QUIT, OVERLAY, PAUSE, SCREENSHOT, MOUSE = "quit", "overlay", "pause", "screenshot", "mouse"
@@ -59,7 +60,7 @@ class KeyboardMouse:
     """
 
     frame_skip: int = 2
-    sensitivity: float = 0.25
+    sensitivity: float = MOUSE_SENSITIVITY
 
     def __post_init__(self) -> None:
         self.keys: set[int] = set()

@@ -10,6 +10,8 @@ pool runs the unconditional pass of every guided DDIM step while this thread run
 (`parallel="cfg"`; `cores=1` runs them one after the other, with the same numbers). `parallel="decode"`
 decodes frame n on the second core while this one samples frame n+1 instead, and "both" does both; then
 `step()` returns the previous step's frame: one frame of latency (measured against "cfg" in bench.py).
+"auto" (what `play` asks for) is "cfg" for a guided sampler and "decode" for an unguided one (a distilled
+student), which has no second pass to share out; the default, "cfg", never adds latency (replay, lockstep).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return dtype
 
 
-PARALLEL = ("cfg", "decode", "both")
+PARALLEL = ("auto", "cfg", "decode", "both")
 
 
 def _worker_init(threads: int) -> None:
@@ -94,7 +96,8 @@ class NeuralEngine:
         meanwhile; or right here with wait_compile) on first use. cores: how many cores to use (default:
         all this process may use; 2 or more give a second stream of work, with 1 intra-op thread each
         per 2 cores). parallel: what the second core does: "cfg" (the unconditional passes), "decode" (the
-        frames, one late) or "both". dtype: the UNet's ("auto", "float32", "bfloat16"; bf16 falls back to
+        frames, one late), "both", or "auto" ("cfg" when guided, else "decode"). dtype: the UNet's ("auto",
+        "float32", "bfloat16"; bf16 falls back to
         float32 where the CPU lacks it). batched: the two passes of a guided step as one batch-2 call (the
         pre-split form: faster on one core, no CFG split, numbers that differ by float rounding).
         steps: DDIM steps (default the checkpoint's). Where the checkpoint carries a student distilled for
@@ -125,6 +128,8 @@ class NeuralEngine:
         if parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
         two = self.cores >= 2
+        if parallel == "auto":
+            parallel = "cfg" if self.sampler.guided else "decode"
         self.batched = batched and self.sampler.guided
         self.split = two and self.sampler.guided and not self.batched and parallel in ("cfg", "both")  # (a)
         self.pipeline = two and parallel in ("decode", "both")  # (b): decode on the second core, a frame late
@@ -210,7 +215,7 @@ class NeuralEngine:
         if len(z) < self.n:
             pad = self.n - len(z)
             z = torch.cat([z[:1].expand(pad, -1, -1, -1), z])
-            a = torch.cat([torch.tensor([[NOOP.buttons, NOOP.turn]]).expand(pad, -1), a])
+            a = torch.cat([torch.from_numpy(NOOP.code)[None].expand(pad, -1), a])
         self.z, self.actions = z[-self.n:].clone(), a[-self.n:].clone()
         self.frame = np.asarray(frames[-1])
         self._undecoded = None
@@ -234,7 +239,7 @@ class NeuralEngine:
             raise ActionError(f"step() takes an Action, got {type(action).__name__}")
         self._swap_in_compiled()
         t0 = time.perf_counter()
-        a = torch.tensor([[action.buttons, action.turn]])
+        a = torch.from_numpy(action.code)[None]
         codes = torch.cat([self.actions, a])[None]  # (1, N+1, 2)
         noise = torch.randn((1, *self.latent_shape), generator=self.gen)
         # contiguous: the compiled package assumes its inputs' strides; the encoder returns channels_last

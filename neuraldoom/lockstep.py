@@ -22,6 +22,7 @@ import numpy as np
 
 from . import metrics as M
 from .actions import NOOP, Action
+from .config import game_mismatch
 
 
 @dataclass(frozen=True)
@@ -37,19 +38,14 @@ class Tick:
     neural_ms: float
 
 
-def code(a: Action) -> np.ndarray:
-    return np.array([a.buttons, a.turn], np.int64)
-
-
 class Lockstep:
     """A real game and a neural engine driven together. `cfg`, `done`, `variables` follow the real game."""
 
     def __init__(self, real: Any, neural: Any, warmup: int | None = None, measure_ssim: bool = True) -> None:
         g, c = real.cfg, neural.cfg
-        for f in ("height", "width", "frame_skip", "map"):
-            if getattr(g, f) != getattr(c, f):
-                raise ValueError(f"the real game has {f}={getattr(g, f)!r} but the neural engine was trained on "
-                                 f"{f}={getattr(c, f)!r}")
+        why = game_mismatch(g, c)
+        if why:
+            raise ValueError(f"the real game {why}")
         self.real, self.neural = real, neural
         self.cfg = real.cfg
         self.n = neural.n
@@ -89,12 +85,12 @@ class Lockstep:
         """New real episode, `warmup` steps in it (NOOP, or the given actions), neural context from them."""
         frame = self.real.reset(seed)
         self.history.clear()
-        self.history.append((frame.copy(), code(NOOP)))
+        self.history.append((frame.copy(), NOOP.code))
         acts = iter(warmup_actions) if warmup_actions is not None else None
         for _ in range(self.warmup):
             a = next(acts, NOOP) if acts is not None else NOOP
             frame = self.real.step(a)
-            self.history.append((frame.copy(), code(a)))
+            self.history.append((frame.copy(), a.code))
         self.neural.reset(seed)  # re-seeds the sampler's noise: the same seed gives the same run
         return self.resync()
 
@@ -114,7 +110,7 @@ class Lockstep:
         t1 = time.perf_counter()
         neural = self.neural.step(action)
         t2 = time.perf_counter()
-        self.history.append((real, code(action)))
+        self.history.append((real, action.code))
         self.last = Tick(real, neural, action, M.psnr(neural, real),
                          M.ssim(neural, real) if self.measure_ssim else None, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
         return self.last

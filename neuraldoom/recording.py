@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import actions as A
-from .config import GAME_VARIABLES, GameConfig, from_dict, to_dict
+from .config import GAME_VARIABLES, TICS_PER_SECOND, GameConfig, from_dict, to_dict
 
 FORMAT_VERSION = 1
 STEP_DTYPE = np.dtype(
@@ -188,7 +188,7 @@ class Recording:
         target = Path(out).absolute()
         if target.parent.resolve() == self.path.resolve() and target.name in RECORDING_FILES:
             raise RecordingError(f"cannot write a video to {target}: it is part of the recording")
-        return write_mp4(out, (f for f in self.frames), fps or 35 / self.game.frame_skip, scale)
+        return write_mp4(out, (f for f in self.frames), fps or TICS_PER_SECOND / self.game.frame_skip, scale)
 
 
 RECORDING_FILES = ("meta.json", "frames.u8", "steps.bin")

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import metrics as M
 from .actions import NOOP, Action
+from .config import TICS_PER_SECOND, GameConfig, game_mismatch
 from .recording import Recording, RecordingError, unwritable, write_mp4
 
 ENGINES = ("real", "neural", "both")
@@ -40,26 +41,15 @@ def _warn(msg: str) -> None:
     print(f"neuraldoom: warning: {msg}", file=sys.stderr)
 
 
-def check_compatible(rec: Recording, ckpt_game: Any) -> None:
+def check_compatible(rec: Recording, ckpt_game: GameConfig) -> None:
     """One clear line when a recording was made in another game than the checkpoint learned."""
-    g, c = rec.game, ckpt_game
-    if (g.width, g.height) != (c.width, c.height):
-        raise RecordingError(f"{rec.path} is {g.width}x{g.height} but the checkpoint was trained on "
-                             f"{c.width}x{c.height}")
-    for f in ("frame_skip", "map", "scenario"):
-        if getattr(g, f) != getattr(c, f):
-            raise RecordingError(f"{rec.path} has {f}={getattr(g, f)!r} but the checkpoint was trained on "
-                                 f"{f}={getattr(c, f)!r}")
-    if Path(g.wad).name.lower() != Path(c.wad).name.lower():
-        raise RecordingError(f"{rec.path} is from {g.wad!r} but the checkpoint was trained on {c.wad!r}")
+    why = game_mismatch(rec.game, ckpt_game)
+    if why:
+        raise RecordingError(f"{rec.path} {why}")
 
 
 def has_seeds(rec: Recording) -> bool:
     return bool(len(rec)) and all(int(rec.steps["seed"][s]) >= 0 for s, _ in rec.episodes())
-
-
-def _action(c: np.ndarray) -> Action:
-    return Action(int(c[0]), int(c[1]))
 
 
 def replay_steps(rec: Recording, engine: str, neural: Any = None, real: Any = None, warmup: int = 1,
@@ -69,7 +59,7 @@ def replay_steps(rec: Recording, engine: str, neural: Any = None, real: Any = No
     engine "real": reference = recording, replayed = `real` (a RealGame). Otherwise replayed = `neural`
     and reference = the real replay when `real` is given, else the recording.
     """
-    noop = np.array([NOOP.buttons, NOOP.turn], np.int64)
+    noop = NOOP.code
     acts = rec.actions
     for s, e in rec.episodes():
         seed = int(rec.steps["seed"][s])
@@ -79,7 +69,7 @@ def replay_steps(rec: Recording, engine: str, neural: Any = None, real: Any = No
             led = noop if k == 0 else acts[t - 1]  # the action that led to frame t
             recorded = np.array(rec.frames[t])  # a copy: memmaps are read-only
             if real is not None:
-                ref = (real.reset(seed) if k == 0 else real.step(_action(led))).copy()
+                ref = (real.reset(seed) if k == 0 else real.step(Action.from_code(led))).copy()
                 if engine == "real":
                     yield t, recorded, ref, True, False
                     continue
@@ -93,7 +83,7 @@ def replay_steps(rec: Recording, engine: str, neural: Any = None, real: Any = No
                 if resync_every and g > 0 and g % resync_every == 0:
                     neural.set_context(*map(np.stack, zip(*hist, strict=True)))
                     resynced = True
-                out = neural.step(_action(led))
+                out = neural.step(Action.from_code(led))
             hist.append((ref, led))
             if k == warmup - 1:
                 neural.set_context(*map(np.stack, zip(*hist, strict=True)))
@@ -173,7 +163,7 @@ def run_replay(path: str | Path, engine: str = "both", checkpoint: str | Path | 
                 outdir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise RecordingError(f"cannot write the replay to {outdir}: {e.strerror}") from None
-            write_mp4(outdir / "replay.mp4", frames(), 35 / rec.game.frame_skip, scale=2)
+            write_mp4(outdir / "replay.mp4", frames(), TICS_PER_SECOND / rec.game.frame_skip, scale=2)
         else:
             for _ in frames():
                 pass

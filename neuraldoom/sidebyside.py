@@ -20,10 +20,11 @@ import numpy as np
 
 from .actions import Action
 from .client import ClientOptions, check_display, check_record_path, input_source, open_window
+from .config import TICS_PER_SECOND
 from .lockstep import Lockstep, Tick
 from .metrics import hud_top
 from .recording import RecordingWriter
-from .window import TICS_PER_SECOND, Window
+from .window import Window
 
 LAYOUTS = ("both", "real", "neural")
 RESYNC, LAYOUT, STEP = "resync", "layout", "step"
@@ -69,7 +70,7 @@ class SideBySideView:
             self.writer.new_episode(self.seed)
             frames, codes = self.pair.context()
             for j in range(len(frames) - 1):
-                self.writer.add(frames[j], Action(int(codes[j + 1][0]), int(codes[j + 1][1])))
+                self.writer.add(frames[j], Action.from_code(codes[j + 1]))
         self.episodes += 1
 
     def command(self, cmd: str, win: Window) -> None:

@@ -116,3 +116,33 @@ def test_no_module_imports_another_modules_private_helpers():
             if isinstance(node, ast.ImportFrom) and node.level > 0:
                 offenders += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
     assert offenders == []
+
+
+def test_one_parser_switches_true_bools_off_and_takes_positionals():
+    from dataclasses import dataclass, field
+
+    from neuraldoom.config import parse_args
+
+    @dataclass(frozen=True)
+    class Flags:
+        paths: tuple[str, ...] = field(metadata={"positional": True})
+        ema: bool = True
+        fast: bool = False
+        rate: float = 0.5
+
+    assert parse_args(Flags, ["a", "b"]) == Flags(("a", "b"))
+    assert parse_args(Flags, ["a", "--no-ema", "--fast", "--rate", "2"]) == Flags(("a",), False, True, 2.0)
+
+
+def test_one_game_check_names_what_differs():
+    from dataclasses import replace
+
+    from neuraldoom.config import GameConfig, game_mismatch
+
+    g = GameConfig()
+    assert game_mismatch(g, g) is None
+    assert game_mismatch(replace(g, wad="/x/FREEDOOM1.WAD"), g) is None  # the same WAD elsewhere
+    assert "320x240" in game_mismatch(replace(g, width=320, height=240), g)
+    assert "frame_skip=4" in game_mismatch(replace(g, frame_skip=4), g)
+    assert "hud=False" in game_mismatch(replace(g, hud=False), g)
+    assert "doom2.wad" in game_mismatch(replace(g, wad="doom2.wad"), g)

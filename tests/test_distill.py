@@ -63,6 +63,14 @@ def test_guidance_distillation_plays_as_the_default(tiny_checkpoint, tiny_datase
     teacher = NeuralEngine(ck, compile=False, teacher=True)
     assert teacher.student == 0 and teacher.sampler.cfg == 1.5
     assert NeuralEngine(ck, compile=False, guidance=2.0).student == 0  # an explicit guidance: the teacher
+    from neuraldoom import bench
+
+    capsys.readouterr()
+    assert bench.main(["--checkpoint", str(out / "checkpoint"), "--quick", "--no-compile", "--frames", "2"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    default = [r for r in rows if r.endswith("<")]
+    assert len(default) == 1 and " student " in default[0]  # main.py's default is the student's row
+    assert rows[-1].startswith("fps=")
 
 
 def test_progressive_chain_then_export_gathers_students_of_one_teacher(tiny_checkpoint, tiny_dataset, tmp_path,

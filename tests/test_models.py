@@ -141,7 +141,8 @@ def test_checkpoint_round_trip_gives_identical_outputs(tiny_checkpoint):
     assert a.context_frames.shape == (dcfg.context, 120, 160, 3)
 
 
-@pytest.mark.parametrize("damage", ["missing_unet", "truncated", "bad_json", "wrong_context", "not_a_dir"])
+@pytest.mark.parametrize("damage", ["missing_unet", "truncated", "bad_json", "wrong_context", "not_a_dir",
+                                    "no_sampler_section", "student_missing_weights"])
 def test_bad_checkpoints_give_one_clear_line(tiny_checkpoint, tmp_path, damage):
     p = tmp_path / "ck"
     shutil.copytree(tiny_checkpoint, p)
@@ -160,8 +161,17 @@ def test_bad_checkpoints_give_one_clear_line(tiny_checkpoint, tmp_path, damage):
         (p / "config.json").write_text(json.dumps(cfg))
     elif damage == "not_a_dir":
         p = tmp_path / "nothing"
+    elif damage in ("no_sampler_section", "student_missing_weights"):
+        import json
+
+        cfg = json.loads((p / "config.json").read_text())
+        if damage == "no_sampler_section":
+            del cfg["sampler"]
+        else:  # config.json promises a 2-step student whose folder is not there
+            cfg["students"] = {"2": {"steps": 2, "base": "x"}}
+        (p / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as e:
-        Checkpoint(p)
+        Checkpoint(p).student(2) if damage == "student_missing_weights" else Checkpoint(p)
     assert "\n" not in str(e.value) and str(p) in str(e.value)
 
 

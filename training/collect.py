@@ -8,18 +8,17 @@ with the same OUT appends new shards until OUT holds --steps frames in total, wi
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from neuraldoom.actions import StickyRandomPolicy
-from neuraldoom.config import GameConfig
+from neuraldoom.config import EPISODE_TICS, GameConfig, parse_args
 from neuraldoom.game import GameError, RealGame
 from neuraldoom.recording import Recording, RecordingError, RecordingWriter, find_recordings
 
@@ -65,22 +64,25 @@ def worker(cfg: GameConfig, out: str, run: int, w: int, steps: int, seed: int, r
         wr.close()
 
 
+@dataclass(frozen=True)
+class Args:
+    steps: int  # total frames wanted in OUT
+    out: str
+    workers: int = 3  # parallel games (3-4 is best on 2 cores)
+    wad: str = GameConfig.wad
+    scenario: str = GameConfig.scenario
+    map: str = GameConfig.map
+    width: int = GameConfig.width
+    height: int = GameConfig.height
+    frame_skip: int = GameConfig.frame_skip
+    episode_tics: int = EPISODE_TICS  # episode timeout in tics
+    repeat: float = 0.8  # probability of repeating the last action
+    heldout: float = 0.1  # fraction of episodes held out
+    seed: int = 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, required=True, help="total frames wanted in OUT")
-    p.add_argument("--out", required=True)
-    p.add_argument("--workers", type=int, default=3, help="parallel games (3-4 is best on 2 cores)")
-    p.add_argument("--wad", default=GameConfig.wad)
-    p.add_argument("--scenario", default=GameConfig.scenario)
-    p.add_argument("--map", default=GameConfig.map)
-    p.add_argument("--width", type=int, default=GameConfig.width)
-    p.add_argument("--height", type=int, default=GameConfig.height)
-    p.add_argument("--frame-skip", type=int, default=GameConfig.frame_skip)
-    p.add_argument("--episode-tics", type=int, default=2100, help="episode timeout in tics (2100 = 1 min)")
-    p.add_argument("--repeat", type=float, default=0.8, help="probability of repeating the last action")
-    p.add_argument("--heldout", type=float, default=0.1, help="fraction of episodes held out")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    a = parse_args(Args, argv, __doc__)
     if a.workers < 1 or a.steps < 1:
         print(f"collect: --workers and --steps must be at least 1 (got {a.workers} and {a.steps})", file=sys.stderr)
         return 2

@@ -11,15 +11,15 @@ Also reported: distinct cells per episode (mean), and the union over the whole d
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from neuraldoom.config import GAME_VARIABLES
+from neuraldoom.config import GAME_VARIABLES, parse_args
 from neuraldoom.recording import open_dataset
 
 IX, IY = GAME_VARIABLES.index("POSITION_X"), GAME_VARIABLES.index("POSITION_Y")
@@ -58,13 +58,16 @@ def coverage(path: str | Path, block: int = 10_000, cell: float = 64.0,
             "episodes": len(per_episode), "cells_total": len(union)}
 
 
+@dataclass(frozen=True)
+class Args:
+    data: tuple[str, ...] = field(metadata={"positional": True})  # dataset folders (recordings at or below)
+    block: int = 10_000  # frames per block
+    cell: float = 64.0  # grid cell size in map units
+    max_frames: int = 0  # cap per dataset; 0 = the smallest dataset's size
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", nargs="+", help="dataset folders (recordings at or below)")
-    p.add_argument("--block", type=int, default=10_000, help="frames per block")
-    p.add_argument("--cell", type=float, default=64.0, help="grid cell size in map units")
-    p.add_argument("--max-frames", type=int, default=0, help="cap per dataset; 0 = the smallest dataset's size")
-    a = p.parse_args(argv)
+    a = parse_args(Args, argv, __doc__)
     cap = a.max_frames or min(sum(len(r) for r in open_dataset(d)) for d in a.data)
     results = [coverage(d, a.block, a.cell, cap) for d in a.data]
     for r in results:

@@ -38,6 +38,7 @@ from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import parse_args
 from neuraldoom.engine import NeuralEngine
 from neuraldoom.recording import Recording, RecordingError, find_recordings
+from neuraldoom.replay import check_compatible
 
 
 @dataclass(frozen=True)
@@ -56,20 +57,12 @@ class Args:
     threads: int = 1
 
 
-def check_compatible(rec: Recording, ckpt: Checkpoint) -> None:
-    g, c = rec.game, ckpt.game
-    for f in ("height", "width", "frame_skip", "map"):
-        if getattr(g, f) != getattr(c, f):
-            raise RecordingError(f"{rec.path} has {f}={getattr(g, f)!r} but the checkpoint was trained on "
-                                 f"{f}={getattr(c, f)!r}")
-
-
 def history(rec: Recording, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The up-to-n real frames before row i of its episode, and the actions that led to them
     (action j-1 led to frame j; the episode's first frame was led to by no action: NOOP)."""
     s = next(s for s, e in rec.episodes() if s <= i < e)
     lo = max(s, i - n)
-    noop = np.array([A.NOOP.buttons, A.NOOP.turn])
+    noop = A.NOOP.code
     acts = np.stack([rec.actions[j - 1] if j - 1 >= s else noop for j in range(lo, i)])
     return np.asarray(rec.frames[lo:i]), acts
 
@@ -121,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         recs = [Recording(p) for p in find_recordings(Path(a.data) / "heldout")]
         recs = [r for r in recs if len(r)]
         for r in recs:
-            check_compatible(r, ckpt)
+            check_compatible(r, ckpt.game)
         train = [Recording(p) for p in find_recordings(Path(a.data) / "train")]
     except (CheckpointError, RecordingError) as e:
         print(f"evaluate: {e}", file=sys.stderr)
@@ -153,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         act = r.actions[i - 1]
         for e, sink in ((eng, gen), (eng1, gen1)):
             e.set_context(frames, acts)
-            sink.append(e.step(_action(act)))
+            sink.append(e.step(A.Action.from_code(act)))
         real.append(np.asarray(r.frames[i]))
         prev.append(frames[-1])
         real_vals.append(SB.frame_values(r, [i])[0])
@@ -202,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         frames, acts = history(r, i, n)
         eng.set_context(frames, acts)
         for t in range(T_j):
-            ar_gen[j, t] = eng.step(_action(r.actions[i + t - 1]))
+            ar_gen[j, t] = eng.step(A.Action.from_code(r.actions[i + t - 1]))
             ar_real[j, t] = r.frames[i + t]
             ar_copy[j, t] = frames[-1]
     report["ar_psnr"] = _masked(M.psnr, ar_gen, ar_real, alive)
@@ -243,10 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in rows:
         print(f"{k:<66} {v:.3f}" if isinstance(v, float) else f"{k:<66} {v}")
     return 0
-
-
-def _action(code: np.ndarray) -> A.Action:
-    return A.Action(int(code[0]), int(code[1]))
 
 
 def _fmt(v: float | None) -> str:

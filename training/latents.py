@@ -37,7 +37,7 @@ class LatentSet:
         self.actions = torch.as_tensor(actions, dtype=torch.int64)
         self.ep_start = torch.as_tensor(ep_start, dtype=torch.int64)
         self.targets = torch.as_tensor(np.flatnonzero(valid))
-        self.noop = torch.tensor([A.NOOP.buttons, A.NOOP.turn])
+        self.noop = torch.from_numpy(A.NOOP.code)
 
     def __len__(self) -> int:
         return len(self.targets)

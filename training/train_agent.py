@@ -23,7 +23,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: 2 threads on busy cores collapse SB3 ~10x
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -45,7 +44,7 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from neuraldoom.agent_env import AgentEnv, AgentEnvConfig  # noqa: E402
-from neuraldoom.config import GameConfig  # noqa: E402
+from neuraldoom.config import EPISODE_TICS, GameConfig, parse_args  # noqa: E402
 from neuraldoom.game import GameError, RealGame  # noqa: E402
 from neuraldoom.recording import RecordingError, open_dataset  # noqa: E402
 
@@ -59,7 +58,7 @@ class TrainAgentConfig:
     scenario: str = ""
     map: str = "E1M1"
     frame_skip: int = 2  # tics per model step (= per recorded frame)
-    episode_tics: int = 2100  # episode timeout (2100 tics = 1 minute), as in training.collect
+    episode_tics: int = EPISODE_TICS  # episode timeout (1 minute), as in training.collect
     hold: int = 4  # model steps per agent decision
     repeat_prob: float = 0.5  # env repeats the previous action instead of the chosen one
     obs_scale: int = 2  # observation = 160x120 frame / obs_scale (2: 80x60, ~3x faster than 160x120)
@@ -210,15 +209,8 @@ class Progress(BaseCallback):
         self.report()
 
 
-def parse(argv: list[str] | None) -> TrainAgentConfig:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(TrainAgentConfig):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    return TrainAgentConfig(**vars(p.parse_args(argv)))
-
-
 def main(argv: list[str] | None = None) -> int:
-    c = parse(argv)
+    c = parse_args(TrainAgentConfig, argv, __doc__)
     torch.set_num_threads(1)
     out = Path(c.out)
     out.mkdir(parents=True, exist_ok=True)
