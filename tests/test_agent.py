@@ -87,7 +87,7 @@ def test_train_agent_end_to_end_and_resume(tmp_path):
     assert n1 >= 128, n1  # every model step recorded: hold x agent steps, less episode ends
     assert {r.path.name for r in recs} <= {"run-000-env00", "run-000-env01"}
     assert recs[0].meta["policy"] == "ppo_agent" and recs[0].game.height == 120
-    assert (out / "agent.zip").exists() and not (out / "agent.tmp.zip").exists()
+    assert (out / "agent.safetensors").exists() and not list(out.glob("*.tmp"))
     log = json.loads((out / "eval.json").read_text())
     assert log and {"reward", "kills", "cells", "steps", "recorded_frames"} <= set(log[-1])
     assert log[-1]["recorded_frames"] == n1
@@ -98,6 +98,50 @@ def test_train_agent_end_to_end_and_resume(tmp_path):
     recs = open_dataset(out / "recordings")
     assert any(r.path.name.startswith("run-001-") for r in recs)
     assert sum(len(r) for r in recs) >= n1 + 64
-    assert saved_steps(out / "agent.zip") >= 192
+    assert saved_steps(out / "agent.safetensors") >= 192
     # done already: a third run does nothing
     assert main(["--steps", "192", *common]) == 0
+
+
+def test_agent_resumes_after_sigkill_with_the_saved_weights(tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from neuraldoom.checkpoint import load_state
+    from training.train_agent import main
+
+    out = tmp_path / "agent"
+    common = ["--envs", "1", "--vec", "dummy", "--out", str(out), "--n-steps", "32", "--epochs", "1",
+              "--episode-tics", "120", "--save-every", "32", "--eval-every", "100000", "--features", "32",
+              "--batch-size", "32", "--hidden", "16"]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    p = subprocess.Popen([sys.executable, "-m", "training.train_agent", "--steps", "1000000", *common], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = out / "agent.safetensors"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not state.exists():
+            time.sleep(0.2)
+        time.sleep(2.0)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    saved, meta = load_state(state)  # whole, whenever the kill came
+    steps = meta["num_timesteps"]
+    assert steps >= 32
+    # resume with a zero learning rate: more steps are taken, the weights stay the saved ones exactly
+    assert main(["--steps", str(steps + 32), "--lr", "0", *common]) == 0
+    assert f"resuming at {steps} steps" in capsys.readouterr().out
+    after, meta2 = load_state(state)
+    assert meta2["num_timesteps"] >= steps + 32
+    policy = [k for k in saved if k.startswith("policy.")]
+    assert policy and all(torch.equal(saved[k], after[k]) for k in policy)
+    # another architecture on the same folder: one line, exit 2
+    assert main(["--steps", str(steps + 64), *common[:-1], "24"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train_agent: ") and "--hidden 16" in err and err.count("\n") == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from neuraldoom.cli import inspect_path
-from neuraldoom.recording import Recording, find_recordings
+from neuraldoom.recording import Recording, RecordingError, find_recordings
 from training import collect
 
 ARGS = ["--workers", "2", "--episode-tics", "60", "--heldout", "0.3", "--seed", "1"]
@@ -60,3 +60,40 @@ def test_collect_refuses_no_workers_or_no_steps(tmp_path, capsys, flags):
     assert collect.main([*flags, "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "at least 1" in err and not (tmp_path / "d").exists()
+
+
+def test_a_sigkilled_collect_takes_its_workers_along_and_loses_no_written_step(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "d"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    p = subprocess.Popen([sys.executable, "-m", "training.collect", "--steps", "1000000", "--out", str(out),
+                          "--workers", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def frames() -> int:
+        try:
+            return sum(len(Recording(r)) for r in find_recordings(out))
+        except RecordingError:  # a shard being created
+            return 0
+
+    deadline = time.time() + 120
+    while time.time() < deadline and frames() < 200:
+        time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert workers, "no workers running"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 30
+    alive = list(workers)
+    while alive and time.time() < deadline:
+        alive = [w for w in alive if os.path.exists(f"/proc/{w}") and
+                 open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+        time.sleep(0.2)
+    assert not alive, f"workers {alive} outlived their collect"
+    n = sum(len(Recording(r)) for r in find_recordings(out))  # every shard still reads
+    assert n >= 200
+    assert collect.main(["--steps", str(n + 50), "--out", str(out), "--workers", "1"]) == 0
+    assert sum(len(Recording(r)) for r in find_recordings(out)) == n + 50

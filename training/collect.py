@@ -9,6 +9,8 @@ with the same OUT appends new shards until OUT holds --steps frames in total, wi
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -34,34 +36,54 @@ def existing_frames(out: Path) -> tuple[int, int]:
 
 
 def worker(cfg: GameConfig, out: str, run: int, w: int, steps: int, seed: int, repeat: float,
-           heldout: float, counter: mp.Value) -> None:  # type: ignore[type-arg]
+           heldout: float, counter: mp.Value, parent: int) -> None:  # type: ignore[type-arg]
+    die_with_parent(parent)
     rng = np.random.default_rng([seed, run, w])
     name = f"run-{run:03d}-w{w:02d}"
     writers = {s: RecordingWriter(Path(out) / s / name, cfg, engine="real",
                                   extra={"policy": "sticky_random", "repeat": repeat})
                for s in ("train", "heldout")}
     done = 0
-    with RealGame(cfg) as game:
-        while done < steps:
-            ep_seed = int(rng.integers(2**31 - 1))
-            writer = writers["heldout" if rng.random() < heldout else "train"]
-            policy = StickyRandomPolicy(rng, repeat)
-            frame = game.reset(ep_seed)
-            writer.new_episode(ep_seed)
-            while not game.done and done < steps:
-                action = policy()
-                vars_ = game.variables.copy()
-                writer.add(frame, action, vars_)
-                frame = game.step(action)
-                done += 1
-                if done % 64 == 0:
-                    with counter.get_lock():
-                        counter.value += 64
-            writer.flush()
-    with counter.get_lock():
-        counter.value += done % 64
-    for wr in writers.values():
-        wr.close()
+    try:
+        with RealGame(cfg) as game:
+            while done < steps:
+                ep_seed = int(rng.integers(2**31 - 1))
+                writer = writers["heldout" if rng.random() < heldout else "train"]
+                policy = StickyRandomPolicy(rng, repeat)
+                frame = game.reset(ep_seed)
+                writer.new_episode(ep_seed)
+                while not game.done and done < steps:
+                    action = policy()
+                    vars_ = game.variables.copy()
+                    writer.add(frame, action, vars_)
+                    frame = game.step(action)
+                    done += 1
+                    if done % 64 == 0:
+                        with counter.get_lock():
+                            counter.value += 64
+                writer.flush()
+        with counter.get_lock():
+            counter.value += done % 64
+    finally:  # also on SIGTERM: the shards keep every step written so far
+        for wr in writers.values():
+            wr.close()
+
+
+def die_with_parent(parent: int) -> None:
+    """A worker whose collect process dies (even by SIGKILL) gets SIGTERM and ends, closing its shards,
+    instead of playing on as an orphan (Linux: PR_SET_PDEATHSIG)."""
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's normal exit still ends daemon workers
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        raise SystemExit(1)
 
 
 @dataclass(frozen=True)
@@ -102,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     counter = mp.Value("q", 0)
     per = [todo // a.workers + (i < todo % a.workers) for i in range(a.workers)]
-    procs = [mp.Process(target=worker, args=(cfg, str(out), run, w, n, a.seed, a.repeat, a.heldout, counter),
-                        daemon=True) for w, n in enumerate(per) if n > 0]
+    procs = [mp.Process(target=worker, args=(cfg, str(out), run, w, n, a.seed, a.repeat, a.heldout, counter,
+                                             os.getpid()), daemon=True) for w, n in enumerate(per) if n > 0]
     t0 = time.time()
     for pr in procs:
         pr.start()

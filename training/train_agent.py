@@ -7,7 +7,8 @@ into OUT/recordings/{train,heldout}/run-RRR-envEE (split by episode, like traini
 stable-baselines3 PPO: one small Nature-CNN (512-d) on the frame, another on the automap, concatenated
 with the last 32 executed actions, into 2-layer MLP actor and critic heads.
 
-Resumable: rerunning with the same OUT loads OUT/agent.zip (weights, optimizer, step count) and appends
+Resumable: rerunning with the same OUT loads OUT/agent.safetensors (weights, optimizer, step count: no
+pickle, the model is rebuilt from its flags) and appends
 new recording shards (run index + 1); --steps is the total wanted. Every --eval-every agent steps the
 episodes finished since the last report are summarised (mean reward, kills, map coverage in grid cells)
 into OUT/eval.json and OUT/eval.png. Those are the training episodes themselves (the recorded ones):
@@ -28,8 +29,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import zipfile  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -44,9 +44,17 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from neuraldoom.agent_env import AgentEnv, AgentEnvConfig  # noqa: E402
+from neuraldoom.checkpoint import (  # noqa: E402
+    CheckpointError,
+    load_optimizer,
+    load_state,
+    optimizer_tensors,
+    save_state,
+)
 from neuraldoom.config import EPISODE_TICS, GameConfig, parse_args  # noqa: E402
 from neuraldoom.game import GameError, RealGame  # noqa: E402
 from neuraldoom.recording import RecordingError, open_dataset  # noqa: E402
+from training.trainer import check_same_architecture  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,7 @@ class TrainAgentConfig:
     gae_lambda: float = 0.95
     features: int = 512  # per-image CNN output (Mnih et al. 2015)
     hidden: int = 256  # width of the 2-layer actor and critic MLPs
-    save_every: int = 4096  # agent steps between atomic saves of OUT/agent.zip
+    save_every: int = 4096  # agent steps between atomic saves of OUT/agent.safetensors
     eval_every: int = 4096  # agent steps between eval.json/eval.png reports
     seed: int = 0
     vec: str = "subproc"  # "subproc" (one process per game) or "dummy" (all in this process)
@@ -119,16 +127,42 @@ def next_run(out: Path) -> int:
     return max(runs, default=-1) + 1
 
 
+AGENT_FILE = "agent.safetensors"
+ARCHITECTURE = ("features", "hidden", "history", "obs_scale")  # what the policy's shapes depend on
+
+
 def saved_steps(path: Path) -> int:
-    """num_timesteps of a saved agent, read from the zip's JSON without building the model."""
-    with zipfile.ZipFile(path) as z:
-        return int(json.loads(z.read("data"))["num_timesteps"])
+    """num_timesteps of a saved agent, read from the state file's metadata."""
+    return int(load_state(path)[1]["num_timesteps"])
 
 
-def save_model(model: PPO, out: Path) -> None:
-    tmp = out / "agent.tmp.zip"
-    model.save(tmp)  # weights, optimizer, num_timesteps
-    os.replace(tmp, out / "agent.zip")  # atomic: a kill never leaves a half-written model
+def save_model(model: PPO, out: Path, cfg: TrainAgentConfig) -> None:
+    """The policy's weights, its optimizer and the step count as safetensors + JSON (no pickle), atomically."""
+    tensors, meta = optimizer_tensors(model.policy.optimizer)
+    first: dict[int, str] = {}  # SB3 shares one features extractor between actor and critic: save it once
+    for k, v in model.policy.state_dict().items():
+        if first.setdefault(v.data_ptr(), k) == k:
+            tensors[f"policy.{k}"] = v
+    save_state(out / AGENT_FILE, tensors, {**meta, "num_timesteps": model.num_timesteps, "args": asdict(cfg)})
+
+
+def load_model(model: PPO, path: Path, cfg: TrainAgentConfig) -> None:
+    """Into a PPO built from the config: the saved weights, optimizer and step count; a saved agent of
+    another architecture is one line (CheckpointError)."""
+    tensors, meta = load_state(path)
+    check_same_architecture(meta.get("args", {}), cfg, ARCHITECTURE, path)
+    saved = {k[7:]: v for k, v in tensors.items() if k.startswith("policy.")}
+    sd = model.policy.state_dict()
+    aliases: dict[int, list[str]] = {}
+    for k, v in sd.items():
+        aliases.setdefault(v.data_ptr(), []).append(k)
+    full = {k: next((saved[a] for a in aliases[v.data_ptr()] if a in saved), None) for k, v in sd.items()}
+    missing = [k for k, v in full.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{path} lacks the policy's {missing[0]}")
+    model.policy.load_state_dict(full)
+    load_optimizer(model.policy.optimizer, tensors, meta)
+    model.num_timesteps = int(meta["num_timesteps"])
 
 
 def plot_eval(log: list[dict[str, Any]], path: Path) -> None:
@@ -181,7 +215,7 @@ class Progress(BaseCallback):
         self.bar.update(self.training_env.num_envs)
         if self.num_timesteps >= self.next_save:
             self.next_save += self.c.save_every
-            save_model(self.model, self.out)
+            save_model(self.model, self.out, self.c)
         if self.num_timesteps >= self.next_eval:
             self.next_eval += self.c.eval_every
             self.report()
@@ -205,7 +239,7 @@ class Progress(BaseCallback):
 
     def _on_training_end(self) -> None:
         self.bar.close()
-        save_model(self.model, self.out)
+        save_model(self.model, self.out, self.c)
         self.report()
 
 
@@ -220,8 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     except GameError as e:
         print(f"train_agent: {e}", file=sys.stderr)
         return 2
-    resume = (out / "agent.zip").exists()
-    if resume and (start := saved_steps(out / "agent.zip")) >= c.steps:
+    resume = (out / AGENT_FILE).exists()
+    try:
+        start = saved_steps(out / AGENT_FILE) if resume else 0
+    except CheckpointError as e:
+        print(f"train_agent: {e}", file=sys.stderr)
+        return 2
+    if resume and start >= c.steps:
         print(f"train_agent: {out} already holds an agent trained for {start} steps (>= {c.steps})")
         return 0
     run = next_run(out)
@@ -240,13 +279,15 @@ def main(argv: list[str] | None = None) -> int:
                      "net_arch": {"pi": [c.hidden, c.hidden], "vf": [c.hidden, c.hidden]}}
     hyper = {"learning_rate": c.lr, "gamma": c.gamma, "ent_coef": c.ent_coef, "n_epochs": c.epochs,
              "batch_size": c.batch_size, "n_steps": c.n_steps, "gae_lambda": c.gae_lambda}
+    model = PPO("MultiInputPolicy", venv, policy_kwargs=policy_kwargs, device="cpu", seed=c.seed + 1000 * run,
+                verbose=0, **hyper)
     if resume:
-        # custom_objects: the extractor class comes from this file, never unpickled from the zip
-        model = PPO.load(out / "agent.zip", env=venv, device="cpu",
-                         custom_objects={"policy_kwargs": policy_kwargs, **hyper})
-    else:
-        model = PPO("MultiInputPolicy", venv, policy_kwargs=policy_kwargs, device="cpu", seed=c.seed,
-                    verbose=0, **hyper)
+        try:
+            load_model(model, out / AGENT_FILE, c)
+        except CheckpointError as e:
+            venv.close()
+            print(f"train_agent: {e}", file=sys.stderr)
+            return 2
     start = model.num_timesteps
     todo = c.steps - start
     print(f"train_agent: {'resuming at' if resume else 'starting,'} {start} steps; run {run}, "
@@ -262,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     dt = time.time() - t0
     n = model.num_timesteps - start
     print(f"train_agent: {n} agent steps in {dt:.0f}s = {n / dt:.1f} steps/s ({n * c.hold / dt:.0f} recorded "
-          f"frames/s at most) with {c.envs} games; model at {out / 'agent.zip'}")
+          f"frames/s at most) with {c.envs} games; model at {out / AGENT_FILE}")
     return 0
 
 
