@@ -29,6 +29,7 @@ import numpy as np
 from . import metrics as M
 from .actions import NOOP, Action
 from .config import TICS_PER_SECOND, GameConfig, game_mismatch
+from .files import atomic_path, write_text
 from .recording import Recording, RecordingError, unwritable, write_mp4
 
 ENGINES = ("real", "neural", "both")
@@ -198,7 +199,7 @@ def run_replay(path: str | Path, engine: str = "both", checkpoint: str | Path | 
     }
     if outdir is not None:
         try:
-            (outdir / "replay.json").write_text(json.dumps(report, indent=1))
+            write_text(outdir / "replay.json", json.dumps(report, indent=1))
             _plot(outdir / "psnr.png", report)
         except OSError as e:
             raise RecordingError(f"cannot write the replay to {outdir}: {e.strerror}") from None
@@ -244,7 +245,8 @@ def _plot(path: Path, rep: dict[str, Any]) -> None:
            title=f"{Path(rep['recording']).name}: {rep['engine']}{resync}{mean}")
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=90)
     plt.close(fig)
 
 

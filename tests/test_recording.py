@@ -144,3 +144,16 @@ def test_export_mp4(recorded, tmp_path):
     data = out.read_bytes()
     assert len(data) > 1000
     assert data[4:8] == b"ftyp", "not an MP4 container"
+
+
+def test_atomic_outputs_keep_the_old_file_when_a_write_fails(tmp_path):
+    from neuraldoom.files import atomic_path, write_text
+
+    f = tmp_path / "report.json"
+    write_text(f, "old")
+    with pytest.raises(RuntimeError), atomic_path(f) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert f.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+    write_text(f, "new")
+    assert f.read_text() == "new" and len(list(tmp_path.iterdir())) == 1

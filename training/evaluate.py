@@ -37,6 +37,7 @@ from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import parse_args
 from neuraldoom.engine import NeuralEngine
+from neuraldoom.files import atomic_path, write_text
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.replay import check_compatible
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     report["statusbar_fields"] = {"real": _fields(sb_real), "ae": ae_ev["statusbar_fields"] if sb else None,
                                   "tf": _fields(sb_tf), "ar": None if sb_ar is None else _fields(sb_ar[alive])}
     report["n_rollouts"] = len(starts)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    write_text(out / "report.json", json.dumps(report, indent=2))
     _plots(out, report, prev, real, gen, ar_real, ar_gen, alive)
 
     main_run = (f"{eng.student}-step student" if eng.student else
@@ -264,17 +265,20 @@ def _plots(out: Path, rep: dict, prev, real, gen, ar_real, ar_gen, alive) -> Non
     ax[1].axhline(1.0, color="gray", ls="--")
     ax[1].set(xlabel="autoregressive step", ylabel="sharpness (generated / real)")
     fig.tight_layout()
-    fig.savefig(out / "ar_psnr.png", dpi=90)
+    with atomic_path(out / "ar_psnr.png") as tmp:
+        fig.savefig(tmp, dpi=90)
     plt.close(fig)
     k = min(6, len(real))
     tf = np.concatenate([np.concatenate([prev[i], real[i], gen[i]], 1) for i in range(k)], 0)
-    Image.fromarray(tf).save(out / "grid.png")  # rows: last context frame | real next | model next
+    with atomic_path(out / "grid.png") as tmp:
+        Image.fromarray(tf).save(tmp)  # rows: last context frame | real next | model next
     if len(ar_real):
         j = int(alive.sum(1).argmax())  # the longest rollout
         idx = [t for t in (0, 3, 7, 15, 31, 63) if t < alive[j].sum()] or [0]
         strip = np.concatenate([np.concatenate([ar_real[j, t] for t in idx], 1),
                                 np.concatenate([ar_gen[j, t] for t in idx], 1)], 0)
-        Image.fromarray(strip).save(out / "rollout.png")  # top: real, bottom: model, steps 1..64
+        with atomic_path(out / "rollout.png") as tmp:
+            Image.fromarray(strip).save(tmp)  # top: real, bottom: model, steps 1..64
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from neuraldoom import actions as A
 from neuraldoom import autoencoder as AE
+from neuraldoom.files import write_text
 from neuraldoom.recording import open_dataset
 
 
@@ -84,7 +85,7 @@ def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int) -> Late
             out.flush()
             del out
             os.replace(d / "tmp.npy", f)
-            (d / "meta.json").write_text(json.dumps(meta))
+            write_text(d / "meta.json", json.dumps(meta))  # last: the cache is valid only once it is there
         zs.append(torch.from_numpy(np.load(f, mmap_mode="r")[:n].copy()))
         steps = r.steps[:n]
         acts.append(np.stack([steps["buttons"], steps["turn"]], -1))
