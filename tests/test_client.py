@@ -218,3 +218,13 @@ def test_window_shows_a_failed_screenshot_on_screen(monkeypatch):
         assert win.screenshot("neuraldoom", 0) is None
         assert win.notice[0].startswith("screenshot failed: cannot write neuraldoom-")
         win.flip()  # draws the notice
+
+
+def test_soak_script_plays_posts_its_storm_and_reports(tiny_checkpoint, capsys):
+    from neuraldoom import soak
+
+    assert soak.main(["--checkpoint", str(tiny_checkpoint), "--frames", "20", "--events", "300",
+                      "--no-compile"]) == 0
+    last = dict(kv.split("=") for kv in capsys.readouterr().out.splitlines()[-1].split())
+    assert last["soak_frames"] == "20" and last["nonfinite"] == "0" and last["storm_events"] == "300"
+    assert last["crashed"] == "0" and int(last["storm_steps"]) >= 30
