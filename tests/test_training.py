@@ -256,3 +256,24 @@ def test_compare_autoencoders_prints_a_row_each_and_the_pictures(tiny_ae, tiny_d
     assert len(rows) == 2 and rows[0].split("|")[2:4] == rows[1].split("|")[2:4]  # same model, same numbers
     assert (tmp_path / "pics" / "reconstructions.png").exists() and (tmp_path / "pics" / "statusbar.png").exists()
     assert compare_autoencoders.main(["--data", str(tiny_dataset), "--autoencoders", ae, "--names", "a", "b"]) == 2
+
+
+def test_diffusion_scales_out_to_two_processes(tiny_checkpoint, tiny_dataset, tmp_path):
+    """Two CPU processes (torchrun: `accelerate launch --cpu` starts one process on a CPU machine; on GPUs
+    `accelerate launch --multi_gpu`): the main one alone encodes the cache and writes log and checkpoint,
+    and a time limit stops both (one stopping alone would leave the other waiting at the all-reduce)."""
+    out = tmp_path / "ddp"
+    env = {**os.environ, "PYTHONPATH": str(os.path.dirname(os.path.dirname(__file__))), "OMP_NUM_THREADS": "1"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "training.train_diffusion", "--data",
+                        str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out), "--steps",
+                        "100000", "--minutes", "0.05", "--batch", "2", "--max-frames", "300", "--eval-every", "2"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("2 process(es)") == 1 and r.stdout.count("train_diffusion: step") == 1
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == list(range(2, 2 * len(log) + 1, 2))  # one writer, no duplicates
+    assert log[-1]["samples"] == 2 * 2 * log[-1]["step"]  # both processes' batches count
+    ck = Checkpoint(out / "checkpoint")
+    assert ck.config["notes"]["samples"] >= log[-1]["samples"]
+    assert sorted(p.name for p in (out / "latents" / "train").rglob("meta.json")) == ["meta.json"]

@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         cache = Path(a.latents) if a.latents else out / "latents"
         data = Path(a.data)
         out.mkdir(parents=True, exist_ok=True)
-        train = L.build(ck.ae, data / "train", cache / "train", a.max_frames)
-        held = L.build(ck.ae, data / "heldout", cache / "heldout", max(a.max_frames // 10, 2000))
+        with acc.main_process_first():  # the main process encodes into the cache, the others then read it
+            train = L.build(ck.ae, data / "train", cache / "train", a.max_frames)
+            held = L.build(ck.ae, data / "heldout", cache / "heldout", max(a.max_frames // 10, 2000))
     except (CheckpointError, RecordingError, ValueError) as e:
         print(f"distill: {e}", file=sys.stderr)
         return 2
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
         ema.optimization_step = meta["ema_step"]
         step, seen, elapsed = int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
-        print(f"distill: resuming at step {step}")
+        if acc.is_main_process:
+            print(f"distill: resuming at step {step}")
     lr_sched = get_constant_schedule_with_warmup(opt, a.warmup, last_epoch=step - 1 if step else -1)
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
@@ -219,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         save_checkpoint(out / "checkpoint", ck.ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg,
                         ck.context_frames, ck.context_actions, ck.config.get("notes", {}), students)
 
-    log = open(out / "log.jsonl", "a")
+    main_proc = acc.is_main_process  # only it writes the log, the state and the checkpoint
+    log = open(out / "log.jsonl", "a") if main_proc else None
     t0 = last_save = time.time()
     seen0 = seen
-    print(f"distill: {a.steps}-step student of the {teacher.name}, {len(train)} training targets")
-    bar = tqdm(total=a.iterations, initial=step, desc=f"distill {a.steps}", mininterval=10)
+    if main_proc:
+        print(f"distill: {a.steps}-step student of the {teacher.name}, {len(train)} training targets, "
+              f"{acc.num_processes} process(es)")
+    bar = tqdm(total=a.iterations, initial=step, desc=f"distill {a.steps}", mininterval=10, disable=not main_proc)
     while step < a.iterations and not (a.minutes and elapsed >= a.minutes * 60):
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         with acc.autocast():
@@ -235,27 +240,29 @@ def main(argv: list[str] | None = None) -> int:
         lr_sched.step()
         ema.step(raw.parameters())
         step += 1
-        seen += a.batch
+        seen += a.batch * acc.num_processes
         sps = (seen - seen0) / (time.time() - t0)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{sps:.1f}", refresh=False)
-        if step % a.eval_every == 0:
+        if step % a.eval_every == 0 and main_proc:
             rec = {"step": step, "samples": seen, "loss": loss.item(), "held_loss": held_loss(),
                    "samples_per_s": sps, "minutes": (elapsed + time.time() - t0) / 60}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.write(json.dumps(rec))
-        timeout = a.minutes and elapsed + time.time() - t0 > a.minutes * 60
+        timeout = trainer.agree(acc, bool(a.minutes) and elapsed + time.time() - t0 > a.minutes * 60)
         if time.time() - last_save > a.save_every or step == a.iterations or timeout:
             save()
             last_save = time.time()
         if timeout:
             break
     bar.close()
+    acc.wait_for_everyone()
     if step and not (out / "checkpoint").exists():
         save()
-    print(f"distill: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
-          f"checkpoint in {out / 'checkpoint'}")
+    if main_proc:
+        print(f"distill: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
+              f"checkpoint in {out / 'checkpoint'}")
     return 0
 
 

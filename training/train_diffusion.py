@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         game = Recording(find_recordings(data / "train")[0]).game
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
         ae.to(acc.device)  # encode on the accelerator when there is one; the checkpoint keeps a CPU copy
-        train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames)
-        held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
+        with acc.main_process_first():  # the main process encodes into the cache, the others then read it
+            train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames)
+            held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
         ae.cpu()
     except (CheckpointError, RecordingError) as e:
         print(f"train_diffusion: {e}", file=sys.stderr)
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
         ema.optimization_step = meta["ema_step"]
         step, seen, elapsed = int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
-        print(f"train_diffusion: resuming at step {step}")
+        if acc.is_main_process:
+            print(f"train_diffusion: resuming at step {step}")
     sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
                           prediction_type="v_prediction")
     # linear warm-up then constant (diffusers' schedule: --warmup 0 is valid)
@@ -209,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
                         notes)
 
-    log = open(out / "log.jsonl", "a")
+    main_proc = acc.is_main_process  # only it writes the log, the state and the checkpoint
+    log = open(out / "log.jsonl", "a") if main_proc else None
     t0 = last_save = time.time()
     seen0 = seen
-    bar = tqdm(total=a.steps, initial=step, desc="denoiser", mininterval=10)
+    if main_proc:
+        print(f"train_diffusion: {acc.num_processes} process(es) on {acc.device}, {len(train)} training targets")
+    bar = tqdm(total=a.steps, initial=step, desc="denoiser", mininterval=10, disable=not main_proc)
     while step < a.steps and not (a.minutes and elapsed >= a.minutes * 60):  # a spent budget trains no more
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         loss = diffusion_loss(model, sched, train.window(idx, dcfg.context), dcfg, a.context_dropout, gen,
@@ -224,25 +229,27 @@ def main(argv: list[str] | None = None) -> int:
         lr_sched.step()
         ema.step(raw.parameters())
         step += 1
-        seen += a.batch
+        seen += a.batch * acc.num_processes
         sps = (seen - seen0) / (time.time() - t0)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{sps:.1f}", refresh=False)
-        if step % a.eval_every == 0:
+        if step % a.eval_every == 0 and main_proc:
             rec = {"step": step, "samples": seen, "loss": loss.item(), "held_loss": held_loss(),
                    "samples_per_s": sps, "minutes": (elapsed + time.time() - t0) / 60}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.write(json.dumps(rec))
-        timeout = a.minutes and elapsed + time.time() - t0 > a.minutes * 60
+        timeout = trainer.agree(acc, bool(a.minutes) and elapsed + time.time() - t0 > a.minutes * 60)
         if time.time() - last_save > a.save_every or step == a.steps or timeout:
             save()
             last_save = time.time()
         if timeout:
             break
     bar.close()
-    print(f"train_diffusion: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
-          f"checkpoint in {out / 'checkpoint'}")
+    acc.wait_for_everyone()
+    if main_proc:
+        print(f"train_diffusion: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
+              f"checkpoint in {out / 'checkpoint'}")
     return 0
 
 

@@ -31,6 +31,15 @@ def check_same_architecture(saved: dict[str, Any], args: Any, keys: tuple[str, .
                                   "use another --out or the same flags")
 
 
+def agree(acc: Accelerator, flag: bool) -> bool:
+    """One decision for every process: true if any process says so. A time limit reached by one process
+    must stop them all, or the others would wait forever at the next gradient all-reduce."""
+    if acc.num_processes == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=acc.device)
+    return bool(acc.reduce(t, reduction="sum").item() > 0)
+
+
 def accelerator(precision: str = "auto") -> Accelerator:
     """The device is chosen automatically (a GPU when there is one); precision: auto (bf16 autocast where
     it is fast, else fp32), fp32 or bf16."""
