@@ -20,7 +20,6 @@ real_fps=<the real game>.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import torch
 
 from .actions import StickyRandomPolicy
 from .checkpoint import Checkpoint, CheckpointError
-from .config import DEFAULT_CHECKPOINT, resolve_checkpoint
+from .config import DEFAULT_CHECKPOINT, parse_args, resolve_checkpoint
 from .engine import NeuralEngine, bf16_supported, default_dtype, usable_cores
 from .sampler import dtype_name
 
@@ -156,16 +155,19 @@ def latent_gap(a: NeuralEngine, b: NeuralEngine, steps: int = 8) -> float:
     return max((a.next_latent(pa()) - b.next_latent(pb())).abs().max().item() for _ in range(steps))
 
 
+@dataclass(frozen=True)
+class Args:
+    checkpoint: str = DEFAULT_CHECKPOINT  # in the repository unless a path that exists here
+    frames: int = 0  # timed frames per row (0: 30; 10 with --quick)
+    rounds: int = 3  # interleaved rounds the frames are split into
+    steps: tuple[int, ...] = ()  # DDIM step counts (default 4 2 1)
+    quick: bool = False  # the checkpoint's step count only, 10 frames, no bf16 rows
+    threads: int = 1  # torch threads of the 1-core rows
+    compile: bool = True  # the compiled rows too (--no-compile skips them)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help=f"default: {DEFAULT_CHECKPOINT} in the repository")
-    p.add_argument("--frames", type=int, default=None, help="timed frames per row (default 30; 10 with --quick)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds the frames are split into")
-    p.add_argument("--steps", type=int, nargs="+", default=None, help="DDIM step counts (default 4 2 1)")
-    p.add_argument("--quick", action="store_true", help="the checkpoint's step count only, 10 frames, no bf16 rows")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the 1-core rows")
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
-    a = p.parse_args(argv)
+    a = parse_args(Args, argv, __doc__)
     torch.set_num_threads(a.threads)
     try:
         ckpt = Checkpoint(resolve_checkpoint(a.checkpoint))
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     frames = a.frames or (10 if a.quick else 30)
     steps_list = sorted({ckpt.sampler_cfg.steps, *(a.steps or ([] if a.quick else [4, 2, 1]))}, reverse=True)
-    vs = variants(ckpt, [False] if a.no_compile else [False, True], steps_list, a.quick)
+    vs = variants(ckpt, [False, True] if a.compile else [False], steps_list, a.quick)
     failed: set = set()
     for v in vs:
         start(v, a.threads, failed)
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'real ViZDoom':<46}{'':>20}{1000 / rfps:>9.2f}{rfps:>7.0f}")
     print("<: what `python main.py` plays by default; *: one frame of latency; eager*: the compile failed; "
           "/b2: the CFG pair as one batch-2 call; student: distilled, guidance folded in")
-    for comp in ([False] if a.no_compile else [False, True]):
+    for comp in ([False, True] if a.compile else [False]):
         k = (comp, dt, guided, steps0)
         one = by.get((*k, 1, "cfg", False))
         rows = [("a", by.get((*k, 2, "cfg", False))), ("b", by.get((*k, 2, "decode", False))),

@@ -17,17 +17,17 @@ rss_growth_mb=… storm_events=… storm_steps=… crashed=…`); exit 1 if a ch
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .config import DEFAULT_CHECKPOINT, resolve_checkpoint
+from .config import DEFAULT_CHECKPOINT, parse_args, resolve_checkpoint
 
 GROWTH_LIMIT_MB = 32.0  # RSS growth after warm-up that counts as a leak (over 10,000 frames)
 
@@ -115,19 +115,22 @@ def event_storm(engine: Any, events: int, per_step: int = 10) -> dict[str, Any]:
     return {"events": posted[0], "steps": stats["steps"], "quit": stats["quit"], "error": error, "shots": shots}
 
 
+@dataclass(frozen=True)
+class Args:
+    checkpoint: str = DEFAULT_CHECKPOINT  # in the repository unless a path that exists here
+    frames: int = 10_000  # steps of headless random play
+    events: int = 10_000  # random window events to post
+    compile: bool = True  # the compiled sampler, as `python main.py` plays
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=None, help=f"default: {DEFAULT_CHECKPOINT} in the repository")
-    p.add_argument("--frames", type=int, default=10_000, help="steps of headless random play")
-    p.add_argument("--events", type=int, default=10_000, help="random window events to post")
-    p.add_argument("--no-compile", action="store_true")
-    a = p.parse_args(argv)
+    a = parse_args(Args, argv, __doc__)
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     from .checkpoint import CheckpointError
     from .engine import NeuralEngine
 
     try:
-        engine = NeuralEngine.from_checkpoint(resolve_checkpoint(a.checkpoint), compile=not a.no_compile,
+        engine = NeuralEngine.from_checkpoint(resolve_checkpoint(a.checkpoint), compile=a.compile,
                                               parallel="auto")
     except CheckpointError as e:
         print(f"soak: {e}", file=sys.stderr)
