@@ -24,26 +24,20 @@ it. `training.export --students` gathers students of one teacher into a shipped 
 from __future__ import annotations
 
 import copy
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from diffusers.optimization import get_constant_schedule_with_warmup
 from diffusers.training_utils import EMAModel
-from tqdm import tqdm
 
 from neuraldoom.checkpoint import (
     Checkpoint,
     CheckpointError,
-    load_optimizer,
-    load_state,
-    optimizer_tensors,
     save_checkpoint,
-    save_state,
     weights_digest,
 )
 from neuraldoom.config import parse_args
@@ -177,16 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     step, seen, elapsed = 0, 0, 0.0
     if state_path.exists():
         try:
-            tensors, meta = load_state(state_path)
-            trainer.check_same_architecture(meta.get("args", {}), a, ARCHITECTURE, state_path)
+            step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
         except CheckpointError as e:
             print(f"distill: {e}", file=sys.stderr)
             return 2
-        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-        load_optimizer(opt, tensors, meta)
-        ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
-        ema.optimization_step = meta["ema_step"]
-        step, seen, elapsed = int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
         if acc.is_main_process:
             print(f"distill: resuming at step {step}")
     lr_sched = get_constant_schedule_with_warmup(opt, a.warmup, last_epoch=step - 1 if step else -1)
@@ -207,61 +195,41 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         if not acc.is_main_process:
             return
-        t, m = optimizer_tensors(opt)
-        t.update({f"model.{k}": v for k, v in raw.state_dict().items()})
-        t.update({f"ema.{i}": p for i, p in enumerate(ema.shadow_params)})
-        now = elapsed + time.time() - t0
-        save_state(state_path, t, {**m, "step": step, "seen": seen, "ema_step": ema.optimization_step,
-                                   "elapsed": now, "args": asdict(a)})
+        trainer.save_run(state_path, raw, opt, ema, prog.step, prog.seen, prog.seconds, a)
         shipped = copy.deepcopy(raw).cpu().eval()
         ema.copy_to(shipped.parameters())
         info = {"steps": a.steps, "teacher": teacher.name, "base": base, "distilled_from": str(a.checkpoint),
-                "iterations": step, "samples": seen, "minutes": round(now / 60, 1), "batch": a.batch, "lr": a.lr}
+                "iterations": prog.step, "samples": prog.seen, "minutes": round(prog.seconds / 60, 1),
+                "batch": a.batch, "lr": a.lr}
         students = {**ck.student_models(), a.steps: (shipped, info)}
         save_checkpoint(out / "checkpoint", ck.ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg,
                         ck.context_frames, ck.context_actions, ck.config.get("notes", {}), students)
 
-    main_proc = acc.is_main_process  # only it writes the log, the state and the checkpoint
-    log = open(out / "log.jsonl", "a") if main_proc else None
-    t0 = last_save = time.time()
-    seen0 = seen
-    if main_proc:
+    prog = trainer.Progress(acc, out / "log.jsonl", a.iterations, step, seen, elapsed, a.minutes,
+                            f"distill {a.steps}")
+    if acc.is_main_process:
         print(f"distill: {a.steps}-step student of the {teacher.name}, {len(train)} training targets, "
               f"{acc.num_processes} process(es)")
-    bar = tqdm(total=a.iterations, initial=step, desc=f"distill {a.steps}", mininterval=10, disable=not main_proc)
-    while step < a.iterations and not (a.minutes and elapsed >= a.minutes * 60):
+    last_save = time.time()
+    while prog.step < a.iterations and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         with acc.autocast():
             loss = distill_batch(model, teacher, plan, train.window(idx, raw.context), gen, acc.device)
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        acc.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        lr_sched.step()
-        ema.step(raw.parameters())
-        step += 1
-        seen += a.batch * acc.num_processes
-        sps = (seen - seen0) / (time.time() - t0)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{sps:.1f}", refresh=False)
-        if step % a.eval_every == 0 and main_proc:
-            rec = {"step": step, "samples": seen, "loss": loss.item(), "held_loss": held_loss(),
-                   "samples_per_s": sps, "minutes": (elapsed + time.time() - t0) / 60}
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            bar.write(json.dumps(rec))
-        timeout = trainer.agree(acc, bool(a.minutes) and elapsed + time.time() - t0 > a.minutes * 60)
-        if time.time() - last_save > a.save_every or step == a.iterations or timeout:
+        trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
+        prog.tick(a.batch, loss)
+        if prog.step % a.eval_every == 0 and acc.is_main_process:
+            prog.write(loss=loss.item(), held_loss=held_loss())
+        timeout = prog.over()
+        if time.time() - last_save > a.save_every or prog.step == a.iterations or timeout:
             save()
             last_save = time.time()
         if timeout:
             break
-    bar.close()
-    acc.wait_for_everyone()
-    if step and not (out / "checkpoint").exists():
+    prog.close()
+    if prog.step and not (out / "checkpoint").exists():
         save()
-    if main_proc:
-        print(f"distill: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
+    if acc.is_main_process:
+        print(f"distill: step {prog.step}, {prog.seen} samples, held-out loss {held_loss():.4f}; "
               f"checkpoint in {out / 'checkpoint'}")
     return 0
 

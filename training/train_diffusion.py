@@ -14,10 +14,9 @@ same command resumes) and OUT/checkpoint (a complete playable checkpoint with th
 from __future__ import annotations
 
 import copy
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +25,13 @@ import torch.nn.functional as F
 from diffusers import AutoencoderTiny, DDPMScheduler
 from diffusers.optimization import get_constant_schedule_with_warmup
 from diffusers.training_utils import EMAModel
-from tqdm import tqdm
 
 from neuraldoom import actions as A
 from neuraldoom.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_model_dir,
-    load_optimizer,
-    load_state,
-    optimizer_tensors,
     save_checkpoint,
-    save_state,
 )
 from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
 from neuraldoom.denoiser import Denoiser, build_denoiser
@@ -160,21 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     step, seen, elapsed = 0, 0, 0.0
     if state_path.exists():
         try:
-            tensors, meta = load_state(state_path)
+            step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
         except CheckpointError as e:
             print(f"train_diffusion: {e}", file=sys.stderr)
             return 2
-        saved = meta.get("args", {})
-        try:
-            trainer.check_same_architecture(saved, a, ARCHITECTURE, state_path)
-        except CheckpointError as e:
-            print(f"train_diffusion: {e}", file=sys.stderr)
-            return 2
-        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-        load_optimizer(opt, tensors, meta)
-        ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
-        ema.optimization_step = meta["ema_step"]
-        step, seen, elapsed = int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
         if acc.is_main_process:
             print(f"train_diffusion: resuming at step {step}")
     sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
@@ -198,57 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         if not acc.is_main_process:
             return
-        t, m = optimizer_tensors(opt)
-        t.update({f"model.{k}": v for k, v in raw.state_dict().items()})
-        t.update({f"ema.{i}": p for i, p in enumerate(ema.shadow_params)})
-        save_state(state_path, t, {**m, "step": step, "seen": seen, "ema_step": ema.optimization_step,
-                                   "elapsed": elapsed + time.time() - t0, "args": asdict(a)})
+        trainer.save_run(state_path, raw, opt, ema, prog.step, prog.seen, prog.seconds, a)
         shipped = copy.deepcopy(raw).cpu().eval()
         ema.copy_to(shipped.parameters())
-        notes = {"steps": step, "samples": seen, "batch": a.batch, "lr": a.lr,
+        notes = {"steps": prog.step, "samples": prog.seen, "batch": a.batch, "lr": a.lr,
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir)}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
                         notes)
 
-    main_proc = acc.is_main_process  # only it writes the log, the state and the checkpoint
-    log = open(out / "log.jsonl", "a") if main_proc else None
-    t0 = last_save = time.time()
-    seen0 = seen
-    if main_proc:
+    prog = trainer.Progress(acc, out / "log.jsonl", a.steps, step, seen, elapsed, a.minutes, "denoiser")
+    if acc.is_main_process:
         print(f"train_diffusion: {acc.num_processes} process(es) on {acc.device}, {len(train)} training targets")
-    bar = tqdm(total=a.steps, initial=step, desc="denoiser", mininterval=10, disable=not main_proc)
-    while step < a.steps and not (a.minutes and elapsed >= a.minutes * 60):  # a spent budget trains no more
+    last_save = time.time()
+    while prog.step < a.steps and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         loss = diffusion_loss(model, sched, train.window(idx, dcfg.context), dcfg, a.context_dropout, gen,
                               acc.device)
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        acc.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        lr_sched.step()
-        ema.step(raw.parameters())
-        step += 1
-        seen += a.batch * acc.num_processes
-        sps = (seen - seen0) / (time.time() - t0)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{sps:.1f}", refresh=False)
-        if step % a.eval_every == 0 and main_proc:
-            rec = {"step": step, "samples": seen, "loss": loss.item(), "held_loss": held_loss(),
-                   "samples_per_s": sps, "minutes": (elapsed + time.time() - t0) / 60}
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            bar.write(json.dumps(rec))
-        timeout = trainer.agree(acc, bool(a.minutes) and elapsed + time.time() - t0 > a.minutes * 60)
-        if time.time() - last_save > a.save_every or step == a.steps or timeout:
+        trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
+        prog.tick(a.batch, loss)
+        if prog.step % a.eval_every == 0 and acc.is_main_process:
+            prog.write(loss=loss.item(), held_loss=held_loss())
+        timeout = prog.over()
+        if time.time() - last_save > a.save_every or prog.step == a.steps or timeout:
             save()
             last_save = time.time()
         if timeout:
             break
-    bar.close()
-    acc.wait_for_everyone()
-    if main_proc:
-        print(f"train_diffusion: step {step}, {seen} samples, held-out loss {held_loss():.4f}; "
+    prog.close()
+    if acc.is_main_process:
+        print(f"train_diffusion: step {prog.step}, {prog.seen} samples, held-out loss {held_loss():.4f}; "
               f"checkpoint in {out / 'checkpoint'}")
     return 0
 

@@ -1,15 +1,21 @@
 """What the training stages share (a few functions, not a Trainer class): the accelerator with its
-precision, and the check that a resumed run is the same model."""
+precision, the check that a resumed run is the same model, one decision for all processes, and the
+denoiser-side loop's pieces (train_diffusion, distill): resume and save of the one state file, the
+optimizer step with clipping and EMA, the progress bar, jsonl log and time limit."""
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from tqdm import tqdm
 
-from neuraldoom.checkpoint import CheckpointError
+from neuraldoom.checkpoint import CheckpointError, load_optimizer, load_state, optimizer_tensors, save_state
 from neuraldoom.engine import bf16_supported
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -47,3 +53,88 @@ def accelerator(precision: str = "auto") -> Accelerator:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     bf16 = precision == "bf16" or (precision == "auto" and bf16_is_fast())
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no")
+
+
+# -- the denoiser-side loop: resume, one optimizer step, progress, save ---------------------------------
+def load_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Module, opt: torch.optim.Optimizer,
+             ema: Any) -> tuple[int, int, float]:
+    """Resume from a state file written by save_run: weights, optimizer, EMA; returns (step, samples seen,
+    elapsed seconds). A changed architecture flag or a broken file is a CheckpointError (one line)."""
+    tensors, meta = load_state(path)
+    check_same_architecture(meta.get("args", {}), args, keys, path)
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    load_optimizer(opt, tensors, meta)
+    ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
+    ema.optimization_step = meta["ema_step"]
+    return int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
+
+
+def save_run(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ema: Any, step: int, seen: int,
+             elapsed: float, args: Any) -> None:
+    """One atomic safetensors file: weights, optimizer, EMA, step, samples, elapsed time, the args."""
+    t, m = optimizer_tensors(opt)
+    t.update({f"model.{k}": v for k, v in model.state_dict().items()})
+    t.update({f"ema.{i}": p for i, p in enumerate(ema.shadow_params)})
+    save_state(path, t, {**m, "step": step, "seen": seen, "ema_step": ema.optimization_step, "elapsed": elapsed,
+                         "args": asdict(args)})
+
+
+def optimizer_step(acc: Accelerator, model: torch.nn.Module, opt: torch.optim.Optimizer, schedule: Any, ema: Any,
+                   loss: torch.Tensor, clip: float = 1.0) -> None:
+    """Backward, gradient clipping, the optimizer and schedule steps, and the EMA of the unwrapped weights."""
+    opt.zero_grad(set_to_none=True)
+    acc.backward(loss)
+    acc.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    schedule.step()
+    ema.step(acc.unwrap_model(model).parameters())
+
+
+class Progress:
+    """Steps, samples and time of a run (resumed counts included), its progress bar and jsonl log, both on
+    the main process only; `over()` is the time limit, agreed by every process."""
+
+    def __init__(self, acc: Accelerator, log: Path, total: int, step: int, seen: int, elapsed: float,
+                 minutes: float, desc: str) -> None:
+        self.acc, self.main = acc, acc.is_main_process
+        self.step, self.seen, self.elapsed, self.minutes = step, seen, elapsed, minutes
+        self.t0 = time.time()
+        self.seen0 = seen
+        self.log = open(log, "a") if self.main else None
+        self.bar = tqdm(total=total, initial=step, desc=desc, mininterval=10, disable=not self.main)
+
+    @property
+    def seconds(self) -> float:
+        return self.elapsed + time.time() - self.t0
+
+    def spent(self) -> bool:
+        """The budget was used up before this run started (a rerun then trains no more)."""
+        return bool(self.minutes) and self.elapsed >= self.minutes * 60
+
+    def tick(self, batch: int, loss: torch.Tensor) -> None:
+        self.step += 1
+        self.seen += batch * self.acc.num_processes
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{self.samples_per_s:.1f}", refresh=False)
+
+    @property
+    def samples_per_s(self) -> float:
+        return (self.seen - self.seen0) / max(time.time() - self.t0, 1e-9)
+
+    def write(self, **rec: Any) -> None:
+        if not self.main:
+            return
+        rec = {"step": self.step, "samples": self.seen, **rec, "samples_per_s": self.samples_per_s,
+               "minutes": self.seconds / 60}
+        self.log.write(json.dumps(rec) + "\n")
+        self.log.flush()
+        self.bar.write(json.dumps(rec))
+
+    def over(self) -> bool:
+        return agree(self.acc, bool(self.minutes) and self.seconds > self.minutes * 60)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.log is not None:
+            self.log.close()
+        self.acc.wait_for_everyone()
