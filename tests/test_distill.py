@@ -132,3 +132,13 @@ def test_bad_step_counts_are_one_line(tiny_checkpoint, tiny_dataset, tmp_path, c
     assert run(tiny_checkpoint, tiny_dataset, tmp_path / "x", *bad) == 2
     err = capsys.readouterr().err
     assert err.startswith("distill: ") and err.count("\n") == 1
+
+
+def test_a_students_compiled_pass_has_its_own_cache_entry(tiny_checkpoint, tiny_dataset, tmp_path):
+    from neuraldoom.sampler import package_path
+
+    out = tmp_path / "g4"
+    assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "4", "--iterations", "2") == 0
+    ck = out / "checkpoint"
+    teacher, student = package_path(ck, torch.float32, 1), package_path(ck, torch.float32, 1, student=4)
+    assert teacher != student  # never the teacher's package for the student's weights, nor the reverse
