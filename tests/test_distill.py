@@ -127,7 +127,8 @@ def test_distill_resumes_with_the_same_weights_and_refuses_other_flags(tiny_chec
     assert "--steps 2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad", [["--steps", "0"], ["--steps", "2", "--teacher-steps", "3"]])
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--steps", "2", "--teacher-steps", "3"],
+                                 ["--steps", "3", "--teacher-steps", "3"]])
 def test_bad_step_counts_are_one_line(tiny_checkpoint, tiny_dataset, tmp_path, capsys, bad):
     assert run(tiny_checkpoint, tiny_dataset, tmp_path / "x", *bad) == 2
     err = capsys.readouterr().err

@@ -11,7 +11,8 @@ for that many steps where the checkpoint carries one, else the denoiser with cla
   learns the guided pair's combined v, so CFG costs nothing at play;
 - half the steps: progressive distillation (Salimans & Ho 2022) — one student DDIM step learns to land
   where two teacher steps land: from x_t the teacher steps twice to x_t''; the student's target is the
-  clean estimate x0 for which one DDIM step from x_t gives x_t'' exactly, as a v target.
+  clean estimate x0 for which one DDIM step from x_t gives x_t'' exactly, as a v target. Any multiple
+  works the same way (--teacher-steps 4 --steps 1: one step learns the teacher's whole 4-step path).
 Both train only at the student's own timesteps, on noised held-in latents with their real context (clean,
 as at play), with the v-MSE loss, AdamW, EMA and gradient clipping, like train_diffusion.
 
@@ -146,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         ck = Checkpoint(a.checkpoint)
         own = ck.sampler_cfg.steps
         t_steps = a.teacher_steps or min(2 * a.steps, own)
-        if a.steps < 1 or t_steps not in (a.steps, 2 * a.steps):
-            raise CheckpointError(f"--teacher-steps must be --steps (guidance) or twice it, not {t_steps} "
-                                  f"for --steps {a.steps}")
+        if a.steps < 1 or t_steps % a.steps or 1000 % t_steps:
+            raise CheckpointError(f"--teacher-steps must be a multiple of --steps that divides 1000 (so the "
+                                  f"samplers' timesteps nest), not {t_steps} for --steps {a.steps}")
         if t_steps != own and t_steps not in ck.students:
             raise CheckpointError(f"{a.checkpoint} has no {t_steps}-step sampler to learn from: distil that "
                                   f"one first (it plays {own} steps; students: {sorted(ck.students) or 'none'})")
