@@ -3,6 +3,7 @@ and training state (optimizer, step, RNG) as safetensors with JSON metadata, all
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -110,8 +111,9 @@ def load_model_dir(cls: Any, path: str | Path) -> Any:
 # unet/                diffusers UNet2DConditionModel (EMA weights)
 # action_encoder/      the action-token embedding (diffusers ModelMixin)
 # context.safetensors  the starting context: N real frames (uint8) + the N actions that led to them
-# students/N/          optional: a distilled N-step sampler's denoiser (unet/ + action_encoder/), guidance
-#                      folded in; config.json "students" says how each was made (training/distill.py)
+# students/N/          optional: a distilled N-step sampler's denoiser (unet/ + action_encoder/, float16 on
+#                      disk), guidance folded in; config.json "students" says how each was made
+#                      (training/distill.py)
 CHECKPOINT_FORMAT = 1
 SECTIONS = ("game", "denoiser", "sampler")
 
@@ -141,9 +143,12 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ae.save_pretrained(str(tmp / "autoencoder"), safe_serialization=True)
-    for d, model in [(tmp, denoiser)] + [(tmp / "students" / str(n), m) for n, (m, _) in (students or {}).items()]:
-        model.unet.save_pretrained(str(d / "unet"), safe_serialization=True)
-        model.action_encoder.save_pretrained(str(d / "action_encoder"), safe_serialization=True)
+    denoiser.unet.save_pretrained(str(tmp / "unet"), safe_serialization=True)
+    denoiser.action_encoder.save_pretrained(str(tmp / "action_encoder"), safe_serialization=True)
+    for n, (model, _) in (students or {}).items():  # float16 on disk: half the bytes (loaded back as float32)
+        d = tmp / "students" / str(n)
+        copy.deepcopy(model.unet).half().save_pretrained(str(d / "unet"), safe_serialization=True)
+        copy.deepcopy(model.action_encoder).half().save_pretrained(str(d / "action_encoder"), safe_serialization=True)
     save_file({"frames": torch.tensor(np.asarray(context_frames)),
                "actions": torch.as_tensor(context_actions, dtype=torch.int64).contiguous()},
               str(tmp / "context.safetensors"))
