@@ -119,14 +119,18 @@ def test_diffusion_resumes_after_sigkill(tiny_ae, tiny_dataset, tmp_path):
         p.wait()
     from neuraldoom.checkpoint import load_state
 
-    _, meta = load_state(state)  # the state on disk is whole, never half-written
+    before, meta = load_state(state)  # the state on disk is whole, never half-written
     saved = meta["step"]
     assert saved >= 1
-    r = subprocess.run(cmd[:-len(TINY_DM) - 4] + ["--steps", str(saved + 2), "--save-every", "0", *TINY_DM],
-                       env=env, capture_output=True, text=True, timeout=300)
+    # resumed with a zero learning rate: two more steps are taken and the weights stay the saved ones
+    r = subprocess.run(cmd[:-len(TINY_DM) - 4] + ["--steps", str(saved + 2), "--save-every", "0", "--lr", "0",
+                                                  *TINY_DM], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resuming at step {saved}" in r.stdout
-    assert load_state(state)[1]["step"] == saved + 2
+    after, meta2 = load_state(state)
+    assert meta2["step"] == saved + 2
+    weights = [k for k in before if k.startswith("model.")]
+    assert weights and all(torch.equal(before[k], after[k]) for k in weights)
 
 
 def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, capsys):

@@ -58,12 +58,15 @@ def accelerator(precision: str = "auto") -> Accelerator:
 # -- the denoiser-side loop: resume, one optimizer step, progress, save ---------------------------------
 def load_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Module, opt: torch.optim.Optimizer,
              ema: Any) -> tuple[int, int, float]:
-    """Resume from a state file written by save_run: weights, optimizer, EMA; returns (step, samples seen,
-    elapsed seconds). A changed architecture flag or a broken file is a CheckpointError (one line)."""
+    """Resume from a state file written by save_run: weights, optimizer (at the given --lr), EMA; returns
+    (step, samples seen, elapsed seconds). A changed architecture flag or a broken file is a
+    CheckpointError (one line)."""
     tensors, meta = load_state(path)
     check_same_architecture(meta.get("args", {}), args, keys, path)
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     load_optimizer(opt, tensors, meta)
+    for g in opt.param_groups:  # the saved groups carry the old --lr: a resumed run takes the one given now
+        g["lr"] = g["initial_lr"] = args.lr
     ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
     ema.optimization_step = meta["ema_step"]
     return int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
