@@ -118,13 +118,13 @@ CHECKPOINT_FORMAT = 1
 SECTIONS = ("game", "denoiser", "sampler")
 
 
-def weights_digest(denoiser: Any) -> str:
-    """Identifies a denoiser's weights: a student records its base teacher's, so that it is never shipped
-    beside weights it was not distilled from."""
+def weights_digest(module: Any, salt: str = "") -> str:
+    """Identifies a module's weights (a student records its base teacher's, so that it is never shipped
+    beside weights it was not distilled from; the latent cache records its encoder's)."""
     import hashlib
 
-    h = hashlib.sha256()
-    for k, v in sorted(denoiser.state_dict().items()):
+    h = hashlib.sha256(salt.encode())
+    for k, v in sorted(module.state_dict().items()):
         h.update(k.encode())
         h.update(v.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -169,15 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     teacher.model.to(acc.device).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     ema = EMAModel(model.parameters(), decay=a.ema, use_ema_warmup=True, power=3 / 4)
-    step, seen, elapsed = 0, 0, 0.0
-    if state_path.exists():
-        try:
-            step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
-        except CheckpointError as e:
-            print(f"distill: {e}", file=sys.stderr)
-            return 2
-        if acc.is_main_process:
-            print(f"distill: resuming at step {step}")
+    try:
+        step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
+    except CheckpointError as e:
+        print(f"distill: {e}", file=sys.stderr)
+        return 2
+    if step and acc.is_main_process:
+        print(f"distill: resuming at step {step}")
     lr_sched = get_constant_schedule_with_warmup(opt, a.warmup, last_epoch=step - 1 if step else -1)
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)

@@ -4,7 +4,6 @@ tensor with the actions and episode starts needed to cut context windows."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -16,6 +15,7 @@ from tqdm import tqdm
 
 from neuraldoom import actions as A
 from neuraldoom import autoencoder as AE
+from neuraldoom.checkpoint import weights_digest
 from neuraldoom.files import write_text
 from neuraldoom.recording import open_dataset
 
@@ -23,11 +23,7 @@ from neuraldoom.recording import open_dataset
 def encoder_digest(ae: AutoencoderTiny) -> str:
     """Identifies what the latents depend on: the encoder's weights and the latent normalization (a
     decoder-only fine-tune keeps the cache valid)."""
-    h = hashlib.sha256(repr((ae.config.shift_factor, ae.config.scaling_factor)).encode())
-    for k, v in sorted(ae.encoder.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return weights_digest(ae.encoder, salt=repr((ae.config.shift_factor, ae.config.scaling_factor)))
 
 
 class LatentSet:

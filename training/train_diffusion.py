@@ -151,15 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(init.denoiser.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     ema = EMAModel(model.parameters(), decay=a.ema, use_ema_warmup=True, power=3 / 4)
-    step, seen, elapsed = 0, 0, 0.0
-    if state_path.exists():
-        try:
-            step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
-        except CheckpointError as e:
-            print(f"train_diffusion: {e}", file=sys.stderr)
-            return 2
-        if acc.is_main_process:
-            print(f"train_diffusion: resuming at step {step}")
+    try:
+        step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
+    except CheckpointError as e:
+        print(f"train_diffusion: {e}", file=sys.stderr)
+        return 2
+    if step and acc.is_main_process:
+        print(f"train_diffusion: resuming at step {step}")
     sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
                           prediction_type="v_prediction")
     # linear warm-up then constant (diffusers' schedule: --warmup 0 is valid)

@@ -59,8 +59,10 @@ def accelerator(precision: str = "auto") -> Accelerator:
 def load_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Module, opt: torch.optim.Optimizer,
              ema: Any) -> tuple[int, int, float]:
     """Resume from a state file written by save_run: weights, optimizer (at the given --lr), EMA; returns
-    (step, samples seen, elapsed seconds). A changed architecture flag or a broken file is a
-    CheckpointError (one line)."""
+    (step, samples seen, elapsed seconds), (0, 0, 0.0) when there is no state yet. A changed
+    architecture flag or a broken file is a CheckpointError (one line)."""
+    if not path.exists():
+        return 0, 0, 0.0
     tensors, meta = load_state(path)
     check_same_architecture(meta.get("args", {}), args, keys, path)
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
