@@ -321,3 +321,37 @@ def test_the_shipped_checkpoint_loads_and_plays():
     frames = [eng.step(A.Action.of("MOVE_FORWARD")) for _ in range(2)]
     assert all(f.shape == (ck.game.height, ck.game.width, 3) and f.dtype == np.uint8 for f in frames)
     assert all(np.isfinite(f).all() for f in frames)
+
+
+def test_clean_reference_makes_a_static_scene_independent_of_context_noise():
+    """With the delta taken against the clean last frame, a frame that did not change is a zero target at
+    every context-noise level; taken against the noised frame it is not (the target holds the noise)."""
+    from dataclasses import replace
+
+    from diffusers import DDPMScheduler
+
+    from neuraldoom.denoiser import Denoiser
+    from training.train_diffusion import diffusion_loss, noise_augment
+
+    dcfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", delta_scale=0.5)
+    base = build_denoiser(dcfg, 4, (16, 20))
+
+    class Zero(Denoiser):  # predicts v = 0: the loss is then the target's own size
+        def forward(self, noisy, *rest):
+            return torch.zeros_like(noisy)
+
+    model = Zero(base.unet, base.action_encoder, dcfg)
+    sched = DDPMScheduler(beta_schedule="linear", prediction_type="v_prediction")
+    _, _, ctx, codes, _ = _batch(dcfg, B=4)
+    static = (ctx[:, -1].clone(), ctx, codes)  # the next frame is the last one
+
+    def loss(reference: str, clean_share: float) -> float:
+        g = torch.Generator().manual_seed(3)
+        return diffusion_loss(model, sched, static, dcfg, 0.0, g, torch.device("cpu"), reference, clean_share).item()
+
+    assert loss("clean", 0.0) == pytest.approx(loss("clean", 1.0))
+    assert loss("seen", 0.0) != pytest.approx(loss("seen", 1.0), rel=1e-3)
+    assert loss("seen", 1.0) == pytest.approx(loss("clean", 1.0))  # no noise: the references agree
+    g = torch.Generator().manual_seed(0)
+    noised, bucket = noise_augment(ctx, dcfg, g, clean_share=1.0)
+    assert torch.equal(noised, ctx) and not bucket.any()

@@ -67,7 +67,14 @@ def test_autoencoder_resume_with_other_architecture_is_one_line(tiny_ae, tiny_da
     assert "\n" not in err and "--latent-channels 4" in err
 
 
-def test_decoder_only_keeps_the_encoder(tiny_ae, tiny_dataset, tmp_path):
+def test_autoencoder_refuses_negative_latent_noise(tiny_dataset, tmp_path, capsys):
+    assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(tmp_path / "r"),
+                                   "--latent-noise", "-1"]) == 2
+    assert "--latent-noise" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [[], ["--latent-noise", "0.3"]])
+def test_decoder_only_keeps_the_encoder(tiny_ae, tiny_dataset, tmp_path, flags):
     import torch
     from diffusers import AutoencoderTiny
 
@@ -76,7 +83,7 @@ def test_decoder_only_keeps_the_encoder(tiny_ae, tiny_dataset, tmp_path):
     out = tmp_path / "dec"
     assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(out), "--init-from",
                                    str(tiny_ae / "autoencoder"), "--decoder-only", "--steps", "3", "--batch", "2",
-                                   "--eval-every", "3", "--eval-frames", "4"]) == 0
+                                   "--eval-every", "3", "--eval-frames", "4", *flags]) == 0
     a = load_model_dir(AutoencoderTiny, tiny_ae / "autoencoder")
     b = load_model_dir(AutoencoderTiny, out / "autoencoder")
     assert all(torch.equal(x, y) for x, y in zip(a.encoder.parameters(), b.encoder.parameters(), strict=True))
@@ -181,13 +188,23 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
     assert "\n" not in err and "block-out-channels" in err
 
 
+@pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"]])
+def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
+                                 "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and flags[0] in err
+    assert not (tmp_path / "run" / "train_state.safetensors").exists()
+
+
 def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, tiny_dataset, tmp_path):
     from training import experiment
 
     table = tmp_path / "EXPERIMENTS.md"
     argv = ["--name", "delta", "--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
             "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
-            "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2", *TINY_DM]
+            "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
+            "--reference", "clean", "--clean-share", "0.5", *TINY_DM]
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0

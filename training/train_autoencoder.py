@@ -58,6 +58,8 @@ class Args:
     adv_weight: float = 0.0  # patch-discriminator (hinge) loss, relative to the reconstruction loss's gradient
     # at the decoder's last layer (VQGAN's adaptive weight, so one value fits any loss scale); how TAESD stays sharp
     decoder_only: bool = False  # freeze the encoder, fine-tune the decoder on whole frames
+    latent_noise: float = 0.0  # add Gaussian noise of a level ~ U[0, this] to the (normalized) latents before
+    # decoding, so the decoder draws the real frame from an imperfect latent: the denoiser's samples are such
     init_from: str = ""  # an autoencoder folder to start from (e.g. checkpoints/e1m1/autoencoder)
     save_every: float = 120.0  # seconds
     eval_every: int = 250
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / ("dec_state.safetensors" if a.decoder_only else "ae_state.safetensors")
+    if a.latent_noise < 0:
+        print(f"train_autoencoder: --latent-noise must be >= 0, not {a.latent_noise}", file=sys.stderr)
+        return 2
     try:
         train = FramePool(Path(a.data) / "train")
         held = FramePool(Path(a.data) / "heldout")
@@ -244,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         with acc.autocast():
             with torch.no_grad() if a.decoder_only else torch.enable_grad():
                 z = AE.encode_pixels(raw, x)
+            if a.latent_noise:
+                level = torch.from_numpy(rng.uniform(0, a.latent_noise, (len(z), 1, 1, 1))).to(z)
+                z = z + level * torch.from_numpy(rng.standard_normal(z.shape, np.float32)).to(z)
             y = AE.decode_pixels(raw, z).float()
         loss = reconstruction_loss(y, x, w, a)
         if disc is not None:  # hinge GAN on the visible frame (the padding is not part of the picture)

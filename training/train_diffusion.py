@@ -53,6 +53,8 @@ class Args:
     warmup: int = 200
     ema: float = 0.999
     context_dropout: float = 0.1  # drop the past frames (not the actions) so CFG has an unconditional
+    reference: str = "seen"  # a delta target's reference: the last context frame "seen" (noised) or "clean"
+    clean_share: float = 0.0  # share of samples trained on an un-noised context (the one play feeds)
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
     save_every: float = 300.0  # seconds
     eval_every: int = 250
@@ -72,21 +74,29 @@ ARCHITECTURE = ("context", "reads", "target", "action_embed", "block_out_channel
                 "cross_attention_dim")
 
 
-def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """§3.2.1: Gaussian noise of a level ~ U[0, max] on the context; the level's bucket conditions the UNet."""
+def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator,
+                  clean_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.2.1: Gaussian noise of a level ~ U[0, max] on the context; the level's bucket conditions the UNet.
+    A `clean_share` of the samples gets level 0: the clean context that play feeds (bucket 0)."""
     B = len(ctx)
     level = torch.rand(B, generator=gen) * cfg.max_noise_level
+    level = torch.where(torch.rand(B, generator=gen) < clean_share, torch.zeros_like(level), level)
     bucket = (level / cfg.max_noise_level * cfg.noise_buckets).long().clamp(max=cfg.noise_buckets - 1)
     noisy = ctx + level.view(B, 1, 1, 1, 1) * torch.randn(ctx.shape, generator=gen)
     return noisy, bucket
 
 
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
-                   dropout: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+                   dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
+                   clean_share: float = 0.0) -> torch.Tensor:
+    """The v-prediction loss of one batch. A "delta" target is taken against the last context frame as
+    the model sees it (`reference="seen"`: noise-augmented, so the target also asks it to remove that
+    noise) or as it was (`"clean"`: static content is exactly zero change at every noise level)."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
-    ctx, bucket = noise_augment(ctx, cfg, gen)
-    target = getattr(model, "module", model).to_target(target, ctx[:, -1])  # vs the last frame as seen
+    clean_last = ctx[:, -1]
+    ctx, bucket = noise_augment(ctx, cfg, gen, clean_share)
+    target = getattr(model, "module", model).to_target(target, clean_last if reference == "clean" else ctx[:, -1])
     drop = torch.rand(B, generator=gen) < dropout
     ctx = torch.where(drop.view(B, 1, 1, 1, 1), torch.zeros_like(ctx), ctx)
     eps = torch.randn(target.shape, generator=gen)
@@ -128,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         ae = load_model_dir(AutoencoderTiny, ae_dir).eval()
         if a.target not in ("frame", "delta"):
             raise CheckpointError(f"--target must be frame or delta, not {a.target!r}")
+        if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1:
+            raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}) and "
+                                  f"--clean-share within [0, 1] (not {a.clean_share})")
         dcfg = init.denoiser_cfg if init else replace(
             DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
             attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim, reads=a.reads,
@@ -172,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     def held_loss() -> float:
         raw.eval()
         g = torch.Generator().manual_seed(1)
-        loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context), dcfg, 0.0, g, acc.device)
+        loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context), dcfg, 0.0, g, acc.device,
+                              a.reference, a.clean_share)
         raw.train()
         return float(loss)
 
@@ -184,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         ema.copy_to(shipped.parameters())
         notes = {"steps": prog.step, "samples": prog.seen, "batch": a.batch, "lr": a.lr,
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
-                 "init_from": a.init_from, "autoencoder": str(ae_dir)}
+                 "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
+                 "clean_share": a.clean_share}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
                         notes)
 
@@ -195,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     while prog.step < a.steps and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         loss = diffusion_loss(model, sched, train.window(idx, dcfg.context), dcfg, a.context_dropout, gen,
-                              acc.device)
+                              acc.device, a.reference, a.clean_share)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
