@@ -298,3 +298,27 @@ def test_diffusion_scales_out_to_two_processes(tiny_checkpoint, tiny_dataset, tm
     ck = Checkpoint(out / "checkpoint")
     assert ck.config["notes"]["samples"] >= log[-1]["samples"]
     assert sorted(p.name for p in (out / "latents" / "train").rglob("meta.json")) == ["meta.json"]
+
+
+def test_cosine_schedule_anneals_over_the_run_and_resumes_where_it_was(tmp_path):
+    """The cosine reaches 5% of --lr at the run's end and a resumed run picks up its rate at its step."""
+    import torch
+    from accelerate import Accelerator
+
+    from training import trainer
+
+    def run_at(step: int, total: int) -> float:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        prog = trainer.Progress(Accelerator(cpu=True), tmp_path / "log.jsonl", total, step, 0, 0.0, 0.0, "t")
+        sched = trainer.lr_schedule(opt, "cosine", 10, prog)
+        assert sched.get_last_lr()[0] == opt.param_groups[0]["lr"]
+        prog.close()
+        return opt.param_groups[0]["lr"]
+
+    assert run_at(0, 100) == pytest.approx(0.1)  # warm-up: (0 + 1) / 10
+    assert run_at(50, 100) == pytest.approx(0.05 + 0.95 * 0.5)
+    assert run_at(100, 100) == pytest.approx(0.05)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    prog = trainer.Progress(Accelerator(cpu=True), tmp_path / "log.jsonl", 100, 60, 0, 0.0, 0.0, "t")
+    assert trainer.lr_schedule(opt, "constant", 10, prog).get_last_lr()[0] == 1.0
+    prog.close()

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderTiny, DDPMScheduler
-from diffusers.optimization import get_constant_schedule_with_warmup
 from diffusers.training_utils import EMAModel
 
 from neuraldoom import actions as A
@@ -51,6 +50,7 @@ class Args:
     batch: int = 32
     lr: float = 3e-4
     warmup: int = 200
+    schedule: str = "constant"  # learning rate after the warm-up: constant, or cosine to the run's end
     ema: float = 0.999
     context_dropout: float = 0.1  # drop the past frames (not the actions) so CFG has an unconditional
     reference: str = "seen"  # a delta target's reference: the last context frame "seen" (noised) or "clean"
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         ae = load_model_dir(AutoencoderTiny, ae_dir).eval()
         if a.target not in ("frame", "delta"):
             raise CheckpointError(f"--target must be frame or delta, not {a.target!r}")
+        if a.schedule not in trainer.SCHEDULES:
+            raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
         if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1:
             raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}) and "
                                   f"--clean-share within [0, 1] (not {a.clean_share})")
@@ -173,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_diffusion: resuming at step {step}")
     sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
                           prediction_type="v_prediction")
-    # linear warm-up then constant (diffusers' schedule: --warmup 0 is valid)
-    lr_sched = get_constant_schedule_with_warmup(opt, a.warmup, last_epoch=step - 1 if step else -1)
+    prog = trainer.Progress(acc, out / "log.jsonl", a.steps, step, seen, elapsed, a.minutes, "denoiser")
+    lr_sched = trainer.lr_schedule(opt, a.schedule, a.warmup, prog)
     model.train()
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
@@ -203,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
                         notes)
 
-    prog = trainer.Progress(acc, out / "log.jsonl", a.steps, step, seen, elapsed, a.minutes, "denoiser")
     if acc.is_main_process:
         print(f"train_diffusion: {acc.num_processes} process(es) on {acc.device}, {len(train)} training targets")
     last_save = time.time()

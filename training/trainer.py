@@ -6,6 +6,7 @@ optimizer step with clipping and EMA, the progress bar, jsonl log and time limit
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -95,6 +96,25 @@ def optimizer_step(acc: Accelerator, model: torch.nn.Module, opt: torch.optim.Op
     ema.step(acc.unwrap_model(model).parameters())
 
 
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_schedule(opt: torch.optim.Optimizer, kind: str, warmup: int,
+                prog: Progress) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then constant, or a cosine down to 5% over the run (its --steps or --minutes,
+    whichever ends first: a time-boxed run anneals to its end instead of stopping at a high rate)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, not {kind!r}")
+
+    def factor(step: int) -> float:
+        ramp = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        return ramp if kind == "constant" else ramp * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * prog.fraction())))
+
+    for g in opt.param_groups:
+        g.setdefault("initial_lr", g["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor, last_epoch=prog.step - 1)
+
+
 class Progress:
     """Steps, samples and time of a run (resumed counts included), its progress bar and jsonl log, both on
     the main process only; `over()` is the time limit, agreed by every process."""
@@ -134,6 +154,13 @@ class Progress:
         self.log.write(json.dumps(rec) + "\n")
         self.log.flush()
         self.bar.write(json.dumps(rec))
+
+    def fraction(self) -> float:
+        """How far through the run: steps over --steps or wall time over --minutes, whichever is further."""
+        f = self.step / max(self.bar.total or 1, 1)
+        if self.minutes:
+            f = max(f, self.seconds / (self.minutes * 60))
+        return min(f, 1.0)
 
     def over(self) -> bool:
         return agree(self.acc, bool(self.minutes) and self.seconds > self.minutes * 60)
