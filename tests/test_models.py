@@ -355,3 +355,39 @@ def test_clean_reference_makes_a_static_scene_independent_of_context_noise():
     g = torch.Generator().manual_seed(0)
     noised, bucket = noise_augment(ctx, dcfg, g, clean_share=1.0)
     assert torch.equal(noised, ctx) and not bucket.any()
+
+
+def test_own_frames_replace_the_last_context_frame_with_the_models_sample():
+    """--own-frames: a picked sample's last context frame is play's sampler run on the frames before it;
+    the rest of the window, and samples whose previous frame opens its episode, stay real."""
+    from dataclasses import replace
+
+    from accelerate import Accelerator
+
+    from training.latents import LatentSet
+    from training.train_diffusion import with_own_frames
+
+    dcfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", delta_scale=0.5)
+    torch.manual_seed(0)
+    d = build_denoiser(dcfg, 4, (16, 20)).eval()
+    z = torch.randn(12, 4, 16, 20).half()
+    acts = np.stack([np.arange(12) % 4, np.full(12, 3)], 1)
+    ep_start = np.array([0] * 6 + [6] * 6)
+    valid = np.ones(12, bool)
+    valid[[0, 6]] = False
+    ls = LatentSet(z, acts, ep_start, valid)
+    idx = torch.tensor([3, 7, 9])  # 7: its previous frame (6) opens the episode, nothing to sample it from
+    batch = ls.window(idx, dcfg.context)
+    sampler = DDIMSampler(d, 4, 1.0)
+    target, ctx, codes = with_own_frames(d, sampler, ls, idx, batch, 1.0, torch.Generator().manual_seed(0),
+                                         Accelerator(cpu=True))
+    assert torch.equal(target, batch[0]) and torch.equal(codes, batch[2])
+    assert torch.equal(ctx[:, :-1], batch[1][:, :-1]) and torch.equal(ctx[1], batch[1][1])
+    _, pctx, pcodes = ls.window(torch.tensor([8]), dcfg.context)
+    g = torch.Generator().manual_seed(0)
+    torch.rand(3, generator=g)  # the draw that picked the samples
+    noise = torch.randn(2, 4, 16, 20, generator=g)[1:]
+    with torch.no_grad():
+        want = sampler(noise, pctx, pcodes)
+    torch.testing.assert_close(ctx[2, -1], want[0])
+    assert not torch.equal(ctx[0, -1], batch[1][0, -1])

@@ -204,7 +204,7 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
     argv = ["--name", "delta", "--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
             "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
             "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
-            "--reference", "clean", "--clean-share", "0.5", *TINY_DM]
+            "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine", *TINY_DM]
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from neuraldoom.checkpoint import (
 from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
 from neuraldoom.denoiser import Denoiser, build_denoiser
 from neuraldoom.recording import Recording, RecordingError, find_recordings
+from neuraldoom.sampler import DDIMSampler, denoiser_pass
 from training import latents as L
 from training import trainer
 
@@ -55,6 +57,7 @@ class Args:
     context_dropout: float = 0.1  # drop the past frames (not the actions) so CFG has an unconditional
     reference: str = "seen"  # a delta target's reference: the last context frame "seen" (noised) or "clean"
     clean_share: float = 0.0  # share of samples trained on an un-noised context (the one play feeds)
+    own_frames: float = 0.0  # share of samples whose last context frame is the model's own sample of it
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
     save_every: float = 300.0  # seconds
     eval_every: int = 250
@@ -107,6 +110,26 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     return F.mse_loss(pred.float(), v.to(device))
 
 
+def with_own_frames(model: Denoiser, sampler: DDIMSampler, data: L.LatentSet, idx: torch.Tensor, batch: tuple,
+                    share: float, gen: torch.Generator, acc: Any) -> tuple:
+    """Training on the model's own outputs: for a `share` of the batch, the last context frame becomes the
+    model's own sample of it (play's sampler, from the real frames before it), so training sees the
+    imperfect context that play feeds, and, the delta target being taken against that frame, learns to
+    correct it rather than to carry its errors on."""
+    target, ctx, codes = batch
+    pick = (torch.rand(len(idx), generator=gen) < share) & (idx - 1 > data.ep_start[idx])
+    if not pick.any():
+        return batch
+    _, pctx, pcodes = data.window(idx[pick] - 1, ctx.shape[1])
+    noise = torch.randn(pctx[:, -1].shape, generator=gen)
+    with torch.no_grad(), acc.autocast():
+        own = sampler.sample(noise.to(acc.device), pctx.to(acc.device), pcodes.to(acc.device),
+                             denoiser_pass(model)).float().cpu()
+    ctx = ctx.clone()
+    ctx[pick, -1] = own
+    return target, ctx, codes
+
+
 def starting_context(data: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first n frames of the first held-out episode long enough, and the actions that led to them."""
     for p in find_recordings(data / "heldout") + find_recordings(data / "train"):
@@ -140,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--target must be frame or delta, not {a.target!r}")
         if a.schedule not in trainer.SCHEDULES:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
-        if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1:
-            raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}) and "
-                                  f"--clean-share within [0, 1] (not {a.clean_share})")
+        if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1 or not 0 <= a.own_frames <= 1:
+            raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}), --clean-share and "
+                                  f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
         dcfg = init.denoiser_cfg if init else replace(
             DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
             attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim, reads=a.reads,
@@ -181,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
+    own_sampler = DDIMSampler(raw, SamplerConfig().steps, 1.0)  # play's steps, the conditional pass alone
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
 
     @torch.no_grad()
@@ -201,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = {"steps": prog.step, "samples": prog.seen, "batch": a.batch, "lr": a.lr,
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
-                 "clean_share": a.clean_share}
+                 "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
                         notes)
 
@@ -210,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     last_save = time.time()
     while prog.step < a.steps and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
-        loss = diffusion_loss(model, sched, train.window(idx, dcfg.context), dcfg, a.context_dropout, gen,
-                              acc.device, a.reference, a.clean_share)
+        batch = train.window(idx, dcfg.context)
+        if a.own_frames:
+            batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
+        loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
+                              a.clean_share)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
