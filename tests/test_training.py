@@ -322,3 +322,34 @@ def test_cosine_schedule_anneals_over_the_run_and_resumes_where_it_was(tmp_path)
     prog = trainer.Progress(Accelerator(cpu=True), tmp_path / "log.jsonl", 100, 60, 0, 0.0, 0.0, "t")
     assert trainer.lr_schedule(opt, "constant", 10, prog).get_last_lr()[0] == 1.0
     prog.close()
+
+
+def test_probe_reports_the_rows_on_real_held_out_play(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    import json
+
+    import numpy as np
+
+    from neuraldoom import autoencoder as AE
+    from neuraldoom import metrics as M
+    from neuraldoom.recording import Recording, find_recordings
+    from training import probe
+
+    out = tmp_path / "probe"
+    argv = ["--checkpoint", str(tiny_checkpoint), "--data", str(tiny_dataset), "--out", str(out), "--samples", "5",
+            "--temperatures", "1.0", "0.0"]
+    assert probe.main(argv) == 0
+    rep = json.loads((out / "probe.json").read_text())
+    rows = rep["rows"]
+    assert rep["samples"] == 5 and "one-pass mean, all actions of another target" in rows
+    assert rows["sample, temperature 1"]["latent_mse"] != rows["sample, temperature 0"]["latent_mse"]
+    # the copy-last row is the previous real frame through the autoencoder, against the real frame
+    ck = Checkpoint(tiny_checkpoint)
+    recs = [r for r in (Recording(p) for p in find_recordings(tiny_dataset / "heldout")) if len(r)]
+    targets = [(r, i) for r in recs for s, e in r.episodes() for i in range(s + 1, e)]
+    picks = [targets[k] for k in np.random.default_rng(0).choice(len(targets), 5, replace=False)]
+    prev = np.stack([np.asarray(r.frames[i - 1]) for r, i in picks])
+    real = np.stack([np.asarray(r.frames[i]) for r, i in picks])
+    shown = AE.decode(ck.ae, AE.encode(ck.ae, prev), *real.shape[1:3])
+    assert rows["copy-last"]["psnr"] == pytest.approx(M.psnr(shown, real), abs=1e-3)
+    assert probe.main(argv) == 0 and json.loads((out / "probe.json").read_text()) == rep  # deterministic
+    assert probe.main(["--checkpoint", str(tmp_path / "none"), "--data", str(tiny_dataset), "--out", str(out)]) == 2
