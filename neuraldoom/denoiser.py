@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from diffusers import ModelMixin, UNet2DConditionModel
@@ -65,7 +67,7 @@ def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, 
         cross_attention_dim=cfg.cross_attention_dim,
         **classes,
         only_cross_attention=cfg.only_cross_attention,
-        norm_num_groups=min(32, cfg.block_out_channels[0]),
+        norm_num_groups=math.gcd(32, *cfg.block_out_channels),  # 32 where the widths allow (SD's), else fewer
     )
 
 
