@@ -379,15 +379,15 @@ def test_own_frames_replace_the_last_context_frame_with_the_models_sample():
     idx = torch.tensor([3, 7, 9])  # 7: its previous frame (6) opens the episode, nothing to sample it from
     batch = ls.window(idx, dcfg.context)
     sampler = DDIMSampler(d, 4, 1.0)
-    target, ctx, codes = with_own_frames(d, sampler, ls, idx, batch, 1.0, torch.Generator().manual_seed(0),
-                                         Accelerator(cpu=True))
+    acc = Accelerator(cpu=True)  # its precision may be another test's (accelerate's state is shared)
+    target, ctx, codes = with_own_frames(d, sampler, ls, idx, batch, 1.0, torch.Generator().manual_seed(0), acc)
     assert torch.equal(target, batch[0]) and torch.equal(codes, batch[2])
     assert torch.equal(ctx[:, :-1], batch[1][:, :-1]) and torch.equal(ctx[1], batch[1][1])
     _, pctx, pcodes = ls.window(torch.tensor([8]), dcfg.context)
     g = torch.Generator().manual_seed(0)
     torch.rand(3, generator=g)  # the draw that picked the samples
     noise = torch.randn(2, 4, 16, 20, generator=g)[1:]
-    with torch.no_grad():
-        want = sampler(noise, pctx, pcodes)
+    with torch.no_grad(), acc.autocast():
+        want = sampler(noise, pctx, pcodes).float()
     torch.testing.assert_close(ctx[2, -1], want[0])
     assert not torch.equal(ctx[0, -1], batch[1][0, -1])
