@@ -32,8 +32,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from diffusers.optimization import get_constant_schedule_with_warmup
-from diffusers.training_utils import EMAModel
 
 from neuraldoom.checkpoint import (
     Checkpoint,
@@ -167,16 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     plan = DDIMSampler(teacher.model, a.steps, 1.0).plan
     model = copy.deepcopy(teacher.model).train()
     teacher.model.to(acc.device).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
-    ema = EMAModel(model.parameters(), decay=a.ema, use_ema_warmup=True, power=3 / 4)
     try:
-        step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
+        opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.0)
     except CheckpointError as e:
         print(f"distill: {e}", file=sys.stderr)
         return 2
     if step and acc.is_main_process:
         print(f"distill: resuming at step {step}")
-    lr_sched = get_constant_schedule_with_warmup(opt, a.warmup, last_epoch=step - 1 if step else -1)
+    prog = trainer.Progress(acc, out / "log.jsonl", a.iterations, step, seen, elapsed, a.minutes,
+                            f"distill {a.steps}")
+    lr_sched = trainer.lr_schedule(opt, "constant", a.warmup, prog)
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
@@ -204,8 +202,6 @@ def main(argv: list[str] | None = None) -> int:
         save_checkpoint(out / "checkpoint", ck.ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg,
                         ck.context_frames, ck.context_actions, ck.config.get("notes", {}), students)
 
-    prog = trainer.Progress(acc, out / "log.jsonl", a.iterations, step, seen, elapsed, a.minutes,
-                            f"distill {a.steps}")
     if acc.is_main_process:
         print(f"distill: {a.steps}-step student of the {teacher.name}, {len(train)} training targets, "
               f"{acc.num_processes} process(es)")

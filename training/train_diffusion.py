@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderTiny, DDPMScheduler
-from diffusers.training_utils import EMAModel
 
 from neuraldoom import actions as A
 from neuraldoom.checkpoint import (
@@ -187,10 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_denoiser(dcfg, ae.config.latent_channels, hw)
     if init is not None:
         model.load_state_dict(init.denoiser.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
-    ema = EMAModel(model.parameters(), decay=a.ema, use_ema_warmup=True, power=3 / 4)
     try:
-        step, seen, elapsed = trainer.load_run(state_path, a, ARCHITECTURE, model, opt, ema)
+        opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.01)
     except CheckpointError as e:
         print(f"train_diffusion: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from diffusers.training_utils import EMAModel
 from tqdm import tqdm
 
 from neuraldoom.checkpoint import CheckpointError, load_optimizer, load_state, optimizer_tensors, save_state
@@ -75,6 +76,15 @@ def load_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Modul
     return int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
 
 
+def start_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Module,
+              weight_decay: float) -> tuple[torch.optim.Optimizer, Any, int, int, float]:
+    """The optimizer (AdamW at --lr) and EMA (--ema) of a denoiser-side run, resumed from its state file
+    where there is one: (opt, ema, step, samples seen, elapsed seconds); CheckpointError as load_run."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay)
+    ema = EMAModel(model.parameters(), decay=args.ema, use_ema_warmup=True, power=3 / 4)
+    return (opt, ema, *load_run(path, args, keys, model, opt, ema))
+
+
 def save_run(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ema: Any, step: int, seen: int,
              elapsed: float, args: Any) -> None:
     """One atomic safetensors file: weights, optimizer, EMA, step, samples, elapsed time, the args."""
@@ -122,7 +132,7 @@ class Progress:
     def __init__(self, acc: Accelerator, log: Path, total: int, step: int, seen: int, elapsed: float,
                  minutes: float, desc: str) -> None:
         self.acc, self.main = acc, acc.is_main_process
-        self.step, self.seen, self.elapsed, self.minutes = step, seen, elapsed, minutes
+        self.step, self.seen, self.elapsed, self.minutes, self.total = step, seen, elapsed, minutes, total
         self.t0 = time.time()
         self.seen0 = seen
         self.log = open(log, "a") if self.main else None
@@ -157,7 +167,7 @@ class Progress:
 
     def fraction(self) -> float:
         """How far through the run: steps over --steps or wall time over --minutes, whichever is further."""
-        f = self.step / max(self.bar.total or 1, 1)
+        f = self.step / max(self.total, 1)
         if self.minutes:
             f = max(f, self.seconds / (self.minutes * 60))
         return min(f, 1.0)
