@@ -143,3 +143,47 @@ def test_a_students_compiled_pass_has_its_own_cache_entry(tiny_checkpoint, tiny_
     ck = out / "checkpoint"
     teacher, student = package_path(ck, torch.float32, 1), package_path(ck, torch.float32, 1, student=4)
     assert teacher != student  # never the teacher's package for the student's weights, nor the reverse
+
+
+def test_the_critic_learns_real_from_fake_and_its_state_round_trips():
+    from training.adversarial import Critic, LatentDiscriminator
+
+    torch.manual_seed(0)
+    C, h, w = 4, 8, 10
+    last = torch.randn(16, C, h, w)
+    action = torch.randint(0, 4, (16, 2))
+    real = last + 0.1 * torch.randn(16, C, h, w)  # the next frame: a small change of the last one
+    fake = torch.randn(16, C, h, w)  # unrelated to it
+    critic = Critic(LatentDiscriminator(C, width=16), lr=1e-3)
+    assert critic.disc(real, last, action).shape == (16, 1, h // 2, w // 2)
+    first = critic.update(real, fake, last, action)
+    for _ in range(40):
+        loss = critic.update(real, fake, last, action)
+    assert first > 1.5 and loss < 0.5 * first  # hinge loss 2 is chance
+    assert critic.generator_loss(fake, last, action) > critic.generator_loss(real, last, action)
+    t, m = critic.tensors()
+    other = Critic(LatentDiscriminator(C, width=16), lr=1e-3)
+    assert other.load(t, m) and not Critic(LatentDiscriminator(C, width=16), lr=1e-3).load({}, {})
+    assert all(torch.equal(v, other.disc.state_dict()[k]) for k, v in critic.disc.state_dict().items())
+    assert torch.equal(other.opt.state_dict()["state"][0]["exp_avg"], critic.opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_adversarial_distillation_trains_a_critic_and_resumes_it(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    from neuraldoom.checkpoint import load_state
+
+    out = tmp_path / "adv"
+    assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "4", "--iterations", "5", "--adv-weight", "0.5") == 0
+    tensors, _ = load_state(out / "train_state.safetensors")
+    disc = {k: v for k, v in tensors.items() if k.startswith("disc.")}
+    assert disc and any(k.startswith("dopt.") for k in tensors)
+    rec = json.loads((out / "log.jsonl").read_text().splitlines()[-1])
+    assert {"d_loss", "g_loss", "adv_lambda"} <= rec.keys() and rec["adv_lambda"] > 0
+    assert Checkpoint(out / "checkpoint").students[4]["teacher"] == "4-step DDIM, CFG 1.5"
+    assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "4", "--iterations", "7", "--adv-weight", "0.5") == 0
+    assert "resuming at step 5" in capsys.readouterr().out
+    after, _ = load_state(out / "train_state.safetensors")
+    assert any(not torch.equal(after[k], v) for k, v in disc.items())  # the critic kept training,
+    assert float(after["dopt.0.step"]) == 7  # from its saved state, not from a fresh one
+    assert run(tiny_checkpoint, tiny_dataset, tmp_path / "bad", "--adv-weight", "-1") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distill: ") and "--adv-weight" in err and err.count("\n") == 1

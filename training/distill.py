@@ -16,6 +16,14 @@ for that many steps where the checkpoint carries one, else the denoiser with cla
 Both train only at the student's own timesteps, on noised held-in latents with their real context (clean,
 as at play), with the v-MSE loss, AdamW, EMA and gradient clipping, like train_diffusion.
 
+--adv-weight W adds adversarial diffusion distillation (Sauer et al. 2023): a latent critic
+(`training.adversarial.LatentDiscriminator`) learns to tell the real next latent from the student's clean
+estimate at its step, given the last frame and the current action, and the student is also trained to fool
+it (hinge loss, weighted by VQGAN's adaptive weight at the UNet's last layer): the regression to the
+teacher alone is minimised by the mean of the possible next frames, which is a blur. With the teacher the
+student's own step count (`--steps 4 --teacher-steps 4` on a checkpoint carrying a 4-step student), the
+student starts as the teacher and only the critic moves it.
+
 Every --save-every seconds it writes, atomically, OUT/train_state.safetensors (rerunning the same command
 resumes) and OUT/checkpoint: the teacher's checkpoint carrying the students it had plus this one, so
 `python main.py --checkpoint OUT/checkpoint --steps N` plays it and `training.evaluate --steps N` measures
@@ -36,6 +44,7 @@ import torch.nn.functional as F
 from neuraldoom.checkpoint import (
     Checkpoint,
     CheckpointError,
+    load_state,
     save_checkpoint,
     weights_digest,
 )
@@ -45,6 +54,7 @@ from neuraldoom.recording import RecordingError
 from neuraldoom.sampler import DDIMSampler
 from training import latents as L
 from training import trainer
+from training.adversarial import Critic, LatentDiscriminator, adaptive_weight
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,8 @@ class Args:
     seed: int = 0
     precision: str = "auto"
     threads: int = 1
+    adv_weight: float = 0.0  # a latent critic's hinge loss on the student's clean estimates, relative to the
+    # distillation loss's gradient at the UNet's last layer (adversarial diffusion distillation); 0 = off
 
 
 ARCHITECTURE = ("checkpoint", "steps", "teacher_steps")
@@ -109,9 +121,10 @@ def student_target(x: torch.Tensor, x_end: torch.Tensor, at: float, ap: float) -
 
 
 def distill_batch(student: torch.nn.Module, teacher: Teacher, plan: list, batch: tuple, gen: torch.Generator,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The loss of one batch: a random student step per sample, the teacher's k = len(teacher.plan) /
-    len(plan) steps from the same x_t as its target."""
+    len(plan) steps from the same x_t as its target. Also returns, for the critic, the student's clean
+    estimates as latents with the real latents, last context latents and current actions in their order."""
     z, ctx, codes = (b.to(device) for b in batch)
     B, k = len(z), len(teacher.plan) // len(plan)
     raw: Denoiser = getattr(student, "module", student)
@@ -119,6 +132,7 @@ def distill_batch(student: torch.nn.Module, teacher: Teacher, plan: list, batch:
     i = torch.randint(0, len(plan), (B,), generator=gen)
     eps = torch.randn(y.shape, generator=gen).to(device)
     loss = torch.zeros((), device=device)
+    estimates, order = [], []
     for step in i.unique().tolist():  # the samples at each student step, as one sub-batch
         m = (i == step).to(device)
         t, at, ap = plan[step]
@@ -131,7 +145,10 @@ def distill_batch(student: torch.nn.Module, teacher: Teacher, plan: list, batch:
         tv = torch.full((len(x),), t, dtype=torch.long, device=device)
         pred = student(x, tv, ctx[m], codes[m], torch.zeros_like(tv)).float()
         loss = loss + F.mse_loss(pred, target, reduction="sum") / y[0].numel()
-    return loss / B
+        estimates.append(raw.from_target(at**0.5 * x - (1 - at) ** 0.5 * pred, ctx[m][:, -1]))
+        order.append(m.nonzero().squeeze(1))
+    idx = torch.cat(order)
+    return loss / B, (torch.cat(estimates), z[idx], ctx[idx, -1], codes[idx, -1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.steps < 1 or t_steps % a.steps or 1000 % t_steps:
             raise CheckpointError(f"--teacher-steps must be a multiple of --steps that divides 1000 (so the "
                                   f"samplers' timesteps nest), not {t_steps} for --steps {a.steps}")
+        if a.adv_weight < 0:
+            raise ValueError(f"--adv-weight must be >= 0, not {a.adv_weight}")
         if t_steps != own and t_steps not in ck.students:
             raise CheckpointError(f"{a.checkpoint} has no {t_steps}-step sampler to learn from: distil that "
                                   f"one first (it plays {own} steps; students: {sorted(ck.students) or 'none'})")
@@ -165,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = DDIMSampler(teacher.model, a.steps, 1.0).plan
     model = copy.deepcopy(teacher.model).train()
     teacher.model.to(acc.device).eval().requires_grad_(False)
+    critic = (Critic(LatentDiscriminator(model.unet.config.out_channels), a.lr).to(acc.device) if a.adv_weight > 0
+              else None)
     try:
         opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.0)
+        if critic is not None and step:
+            critic.load(*load_state(state_path))
     except CheckpointError as e:
         print(f"distill: {e}", file=sys.stderr)
         return 2
@@ -185,14 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     def held_loss() -> float:
         raw.eval()
         with acc.autocast():
-            loss = distill_batch(raw, teacher, plan, held_batch, torch.Generator().manual_seed(1), acc.device)
+            loss = distill_batch(raw, teacher, plan, held_batch, torch.Generator().manual_seed(1), acc.device)[0]
         raw.train()
         return float(loss)
 
     def save() -> None:
         if not acc.is_main_process:
             return
-        trainer.save_run(state_path, raw, opt, ema, prog.step, prog.seen, prog.seconds, a)
+        trainer.save_run(state_path, raw, opt, ema, prog.step, prog.seen, prog.seconds, a,
+                         *(critic.tensors() if critic is not None else ()))
         shipped = copy.deepcopy(raw).cpu().eval()
         ema.copy_to(shipped.parameters())
         info = {"steps": a.steps, "teacher": teacher.name, "base": base, "distilled_from": str(a.checkpoint),
@@ -209,11 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     while prog.step < a.iterations and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         with acc.autocast():
-            loss = distill_batch(model, teacher, plan, train.window(idx, raw.context), gen, acc.device)
+            loss, (fake, real, last, action) = distill_batch(model, teacher, plan, train.window(idx, raw.context),
+                                                             gen, acc.device)
+        adv = {}
+        if critic is not None:  # the critic learns real from estimated next latents, then the student fools it
+            adv["d_loss"] = critic.update(real.float(), fake.float(), last.float(), action)
+            g_loss = critic.generator_loss(fake.float(), last.float(), action)
+            lam = adaptive_weight(loss, g_loss, raw.unet.conv_out.weight)
+            adv.update(g_loss=g_loss.item(), adv_lambda=lam.item())
+            loss = loss + a.adv_weight * lam * g_loss
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
-            prog.write(loss=loss.item(), held_loss=held_loss())
+            prog.write(loss=loss.item(), held_loss=held_loss(), **adv)
         timeout = prog.over()
         if time.time() - last_save > a.save_every or prog.step == a.iterations or timeout:
             save()

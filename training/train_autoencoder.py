@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderTiny
 from tqdm import tqdm
 
@@ -39,6 +38,7 @@ from neuraldoom.checkpoint import (
 from neuraldoom.config import AutoencoderConfig, parse_args
 from neuraldoom.recording import RecordingError
 from training import trainer
+from training.adversarial import Critic, PatchDiscriminator, adaptive_weight
 from training.data import FramePool
 
 
@@ -98,23 +98,6 @@ def sample_batch(pool: FramePool, rng: np.random.Generator, a: Args, factor: int
             ws.append(w[i, :, top:top + ch, left:left + cw])
         x, w = torch.stack(xs), torch.stack(ws)
     return x, w
-
-
-class PatchDiscriminator(torch.nn.Module):
-    """Real/fake logits per ~22x22-pixel patch (pix2pix-style, spectral norm for a stable hinge game)."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        sn = torch.nn.utils.parametrizations.spectral_norm
-        act = torch.nn.LeakyReLU(0.2)
-        self.net = torch.nn.Sequential(
-            sn(torch.nn.Conv2d(3, width, 4, 2, 1)), act,
-            sn(torch.nn.Conv2d(width, 2 * width, 4, 2, 1)), act,
-            sn(torch.nn.Conv2d(2 * width, 2 * width, 3, 1, 1)), act,
-            sn(torch.nn.Conv2d(2 * width, 1, 3, 1, 1)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 def reconstruction_loss(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: Args) -> torch.Tensor:
@@ -194,11 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         params = ae.decoder.parameters() if a.decoder_only else ae.parameters()
         ae.encoder.requires_grad_(not a.decoder_only)
         opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-        disc = PatchDiscriminator() if a.adv_weight else None
-        dopt = torch.optim.AdamW(disc.parameters(), lr=a.lr, betas=(0.5, 0.9)) if disc else None
-        if disc is not None and meta and any(k.startswith("disc.") for k in tensors):
-            disc.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("disc.")})
-            load_optimizer(dopt, tensors, meta, prefix="dopt")
+        critic = Critic(PatchDiscriminator(), a.lr).to(acc.device) if a.adv_weight else None
+        if critic is not None and meta:
+            critic.load(tensors, meta)
         if meta:
             load_optimizer(opt, tensors, meta)
             step, elapsed = int(meta["step"]), float(meta.get("elapsed", 0.0))
@@ -231,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             save_model_dir(raw, out / "autoencoder")
             t, m = optimizer_tensors(opt)
             t.update({f"model.{k}": v for k, v in raw.state_dict().items()})
-            if disc is not None:
-                dt, dm = optimizer_tensors(dopt, prefix="dopt")
-                t.update({**dt, **{f"disc.{k}": v for k, v in disc.state_dict().items()}})
-                m["dopt_param_groups"] = dm["param_groups"]
+            if critic is not None:
+                ct, cm = critic.tensors()
+                t.update(ct)
+                m.update(cm)
             save_state(state_path, t, {**m, "step": step, "elapsed": elapsed + time.time() - t0,
                                        "args": asdict(a), "model_config": dict(raw.config)})
 
@@ -254,21 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                 z = z + level * torch.from_numpy(rng.standard_normal(z.shape, np.float32)).to(z)
             y = AE.decode_pixels(raw, z).float()
         loss = reconstruction_loss(y, x, w, a)
-        if disc is not None:  # hinge GAN on the visible frame (the padding is not part of the picture)
+        if critic is not None:  # hinge GAN on the visible frame (the padding is not part of the picture)
             H, W = train.height, train.width
             real, fake = x[..., :H, :W], y[..., :H, :W]
-            d_loss = F.relu(1 - disc(real)).mean() + F.relu(1 + disc(fake.detach())).mean()
-            dopt.zero_grad(set_to_none=True)
-            d_loss.backward()
-            dopt.step()
-            disc.requires_grad_(False)
-            g_loss = -disc(fake).mean()
-            disc.requires_grad_(True)
-            last = raw.decoder.layers[-1].weight
-            rg = torch.autograd.grad(loss, last, retain_graph=True)[0]
-            ag = torch.autograd.grad(g_loss, last, retain_graph=True)[0]
-            lam = (rg.norm() / (ag.norm() + 1e-4)).clamp(max=1e4).detach()
-            loss = loss + a.adv_weight * lam * g_loss
+            critic.update(real, fake)
+            g_loss = critic.generator_loss(fake)
+            loss = loss + a.adv_weight * adaptive_weight(loss, g_loss, raw.decoder.layers[-1].weight) * g_loss
         opt.zero_grad(set_to_none=True)
         acc.backward(loss)
         acc.clip_grad_norm_(ae.parameters(), 1.0)

@@ -86,9 +86,13 @@ def start_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Modu
 
 
 def save_run(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ema: Any, step: int, seen: int,
-             elapsed: float, args: Any) -> None:
-    """One atomic safetensors file: weights, optimizer, EMA, step, samples, elapsed time, the args."""
+             elapsed: float, args: Any, extra: dict[str, torch.Tensor] | None = None,
+             extra_meta: dict[str, Any] | None = None) -> None:
+    """One atomic safetensors file: weights, optimizer, EMA, step, samples, elapsed time, the args, and
+    whatever else the run keeps (extra: e.g. a critic's tensors, keys not starting with model/opt/ema)."""
     t, m = optimizer_tensors(opt)
+    t.update(extra or {})
+    m.update(extra_meta or {})
     t.update({f"model.{k}": v for k, v in model.state_dict().items()})
     t.update({f"ema.{i}": p for i, p in enumerate(ema.shadow_params)})
     save_state(path, t, {**m, "step": step, "seen": seen, "ema_step": ema.optimization_step, "elapsed": elapsed,
