@@ -188,13 +188,36 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
     assert "\n" not in err and "block-out-channels" in err
 
 
-@pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"]])
+@pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and flags[0] in err
     assert not (tmp_path / "run" / "train_state.safetensors").exists()
+
+
+def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):
+    from diffusers import DDPMScheduler
+
+    assert train_diffusion.hud_rows(16, 8, 120).nonzero().flatten().tolist() == [12, 13, 14]  # pixels 96-119
+    ck = Checkpoint(tiny_checkpoint)
+    den, cfg = ck.denoiser.eval(), ck.denoiser_cfg
+    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction")
+    g = torch.Generator().manual_seed(0)
+    C, h, w = 4, 16, 20
+    batch = (torch.randn(2, C, h, w, generator=g), torch.randn(2, den.context, C, h, w, generator=g),
+             torch.randint(0, 7, (2, den.context + 1, 2), generator=g))
+
+    def loss(weight):
+        with torch.no_grad():
+            return float(train_diffusion.diffusion_loss(den, sched, batch, cfg, 0.0, torch.Generator().manual_seed(1),
+                                                        torch.device("cpu"), row_weight=weight))
+
+    plain = loss(None)
+    assert loss(torch.full((h,), 3.0)) == pytest.approx(plain, rel=1e-6)  # normalised: a uniform weight is none
+    hud = loss(1 + 9 * train_diffusion.hud_rows(h, 8, 120).float())
+    assert hud != pytest.approx(plain, rel=1e-3)
 
 
 def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, tiny_dataset, tmp_path):
@@ -204,7 +227,8 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
     argv = ["--name", "delta", "--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
             "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
             "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
-            "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine", *TINY_DM]
+            "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine",
+            "--hud-weight", "4", *TINY_DM]
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0

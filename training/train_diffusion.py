@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderTiny, DDPMScheduler
 
 from neuraldoom import actions as A
+from neuraldoom import autoencoder as AE
+from neuraldoom import metrics as M
 from neuraldoom.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -57,6 +58,8 @@ class Args:
     reference: str = "seen"  # a delta target's reference: the last context frame "seen" (noised) or "clean"
     clean_share: float = 0.0  # share of samples trained on an un-noised context (the one play feeds)
     own_frames: float = 0.0  # share of samples whose last context frame is the model's own sample of it
+    hud_weight: float = 1.0  # loss weight of the latent rows under the status bar: it is game state that
+    # barely changes, and an unsure model's small errors there smear its digits within a few steps of play
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
     save_every: float = 300.0  # seconds
     eval_every: int = 250
@@ -88,12 +91,20 @@ def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator,
     return noisy, bucket
 
 
+def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
+    """(latent_h,) bool: the latent rows (each `factor` pixel rows) that draw the status bar, not the
+    padding rows below the frame."""
+    rows = torch.arange(latent_h)
+    return ((rows + 1) * factor > M.hud_top(frame_h)) & (rows * factor < frame_h)
+
+
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
-                   clean_share: float = 0.0) -> torch.Tensor:
+                   clean_share: float = 0.0, row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """The v-prediction loss of one batch. A "delta" target is taken against the last context frame as
     the model sees it (`reference="seen"`: noise-augmented, so the target also asks it to remove that
-    noise) or as it was (`"clean"`: static content is exactly zero change at every noise level)."""
+    noise) or as it was (`"clean"`: static content is exactly zero change at every noise level).
+    row_weight (h,): per latent row, normalised to mean 1 (None: all rows alike)."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
     clean_last = ctx[:, -1]
@@ -106,7 +117,11 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     noisy = sched.add_noise(target, eps, t)
     v = sched.get_velocity(target, eps, t)  # eq. 1: v-prediction
     pred = model(noisy.to(device), t.to(device), ctx.to(device), codes.to(device), bucket.to(device))
-    return F.mse_loss(pred.float(), v.to(device))
+    err = (pred.float() - v.to(device)).pow(2)
+    if row_weight is None:
+        return err.mean()
+    w = row_weight.to(device)
+    return (err * (w / w.mean()).view(1, 1, -1, 1)).mean()
 
 
 def with_own_frames(model: Denoiser, sampler: DDIMSampler, data: L.LatentSet, idx: torch.Tensor, batch: tuple,
@@ -162,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--target must be frame or delta, not {a.target!r}")
         if a.schedule not in trainer.SCHEDULES:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
+        if a.hud_weight <= 0:
+            raise CheckpointError(f"--hud-weight must be > 0, not {a.hud_weight}")
         if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1 or not 0 <= a.own_frames <= 1:
             raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}), --clean-share and "
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
@@ -202,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = acc.unwrap_model(model)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
     own_sampler = DDIMSampler(raw, SamplerConfig().steps, 1.0)  # play's steps, the conditional pass alone
+    row_weight = None
+    if a.hud_weight != 1:
+        row_weight = 1 + (a.hud_weight - 1) * hud_rows(hw[0], AE.downsampling(ae), game.height).float()
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
 
     @torch.no_grad()
@@ -222,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         notes = {"steps": prog.step, "samples": prog.seen, "batch": a.batch, "lr": a.lr,
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
-                 "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule}
+                 "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
+                 "hud_weight": a.hud_weight}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
                         notes)
 
@@ -235,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
-                              a.clean_share)
+                              a.clean_share, row_weight)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
