@@ -151,6 +151,9 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     for k in ("ar_psnr", "ar_copy_last_psnr", "ar_sharpness"):
         assert len(rep[k]) == 5
     assert rep["n_samples"] == 4
+    assert (rep["ar_copy_last_statusbar_acc"] is None) == (rep["ar_statusbar_acc"] is None)
+    if rep["ar_statusbar_acc"] is not None:  # the real game's frames: the held bar's reads are a fraction
+        assert 0 <= rep["ar_copy_last_statusbar_acc"] <= 1
     assert (out / "ar_psnr.png").stat().st_size > 0 and (out / "grid.png").stat().st_size > 0
     assert "copy-last-frame PSNR" in capsys.readouterr().out
 
