@@ -11,8 +11,6 @@ Saves OUT/autoencoder (diffusers folder) and OUT/ae_state.safetensors (optimizer
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -21,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers import AutoencoderTiny
-from tqdm import tqdm
 
 from neuraldoom import autoencoder as AE
 from neuraldoom import metrics
@@ -173,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             ae = AE.build_autoencoder(AutoencoderConfig(latent_channels=a.latent_channels,
                                                         encoder_channels=a.encoder_channels,
                                                         decoder_channels=a.decoder_channels))
-        step, elapsed = 0, 0.0
+        step, seen, elapsed = 0, 0, 0.0
         params = ae.decoder.parameters() if a.decoder_only else ae.parameters()
         ae.encoder.requires_grad_(not a.decoder_only)
         opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
@@ -182,23 +179,18 @@ def main(argv: list[str] | None = None) -> int:
             critic.load(tensors, meta)
         if meta:
             load_optimizer(opt, tensors, meta)
-            step, elapsed = int(meta["step"]), float(meta.get("elapsed", 0.0))
+            for g in opt.param_groups:  # the schedule restarts from the --lr given now, at the saved step
+                g["lr"] = g["initial_lr"] = a.lr
+            step, seen, elapsed = int(meta["step"]), int(meta.get("seen", 0)), float(meta.get("elapsed", 0.0))
             print(f"train_autoencoder: resuming at step {step}")
     except CheckpointError as e:
         print(f"train_autoencoder: {e}", file=sys.stderr)
         return 2
-    # Cosine over the run's length: --steps, or --minutes of wall time if that ends first, so a
+    # A cosine over the run's length: --steps, or --minutes of wall time if that ends first, so a
     # time-boxed run anneals to its end instead of stopping at a high learning rate.
-    def progress() -> float:
-        p = step / max(a.steps, 1)
-        if a.minutes:
-            p = max(p, (elapsed + time.time() - t0) / (a.minutes * 60))
-        return min(p, 1.0)
-
-    def set_lr() -> None:
-        f = min(1.0, (step + 1) / 200) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress())))
-        for g in opt.param_groups:
-            g["lr"] = a.lr * f
+    prog = trainer.Progress(acc, out / "ae_log.jsonl", a.steps, step, seen, elapsed, a.minutes,
+                            "decoder" if a.decoder_only else "autoencoder")
+    lr_sched = trainer.lr_schedule(opt, "cosine", 200, prog)
     ae.train()
     ae, opt = acc.prepare(ae, opt)
     raw = acc.unwrap_model(ae)
@@ -216,15 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                 ct, cm = critic.tensors()
                 t.update(ct)
                 m.update(cm)
-            save_state(state_path, t, {**m, "step": step, "elapsed": elapsed + time.time() - t0,
+            save_state(state_path, t, {**m, "step": prog.step, "seen": prog.seen, "elapsed": prog.seconds,
                                        "args": asdict(a), "model_config": dict(raw.config)})
 
-    log = open(out / "ae_log.jsonl", "a")
-    t0 = last_save = time.time()
-    set_lr()
-    seen = 0
-    bar = tqdm(total=a.steps, initial=step, desc="decoder" if a.decoder_only else "autoencoder", mininterval=10)
-    while step < a.steps:
+    last_save = time.time()
+    while prog.step < a.steps and not prog.spent():
         x, w = sample_batch(train, rng, a, factor)
         x, w = x.to(acc.device), w.to(acc.device)
         with acc.autocast():
@@ -241,30 +229,19 @@ def main(argv: list[str] | None = None) -> int:
             critic.update(real, fake)
             g_loss = critic.generator_loss(fake)
             loss = loss + a.adv_weight * adaptive_weight(loss, g_loss, raw.decoder.layers[-1].weight) * g_loss
-        opt.zero_grad(set_to_none=True)
-        acc.backward(loss)
-        acc.clip_grad_norm_(ae.parameters(), 1.0)
-        opt.step()
-        step += 1
-        set_lr()
-        seen += len(x)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", sps=f"{seen / (time.time() - t0):.1f}", refresh=False)
-        if step % a.eval_every == 0 or step == a.steps:
-            ev = evaluate(raw, eval_frames)
-            rec = {"step": step, "loss": loss.item(), "minutes": (elapsed + time.time() - t0) / 60, **ev}
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            bar.write(json.dumps(rec))
-        timeout = a.minutes and elapsed + time.time() - t0 > a.minutes * 60
-        if time.time() - last_save > a.save_every or step == a.steps or timeout:
+        trainer.optimizer_step(acc, ae, opt, lr_sched, None, loss)
+        prog.tick(len(x), loss)
+        if prog.step % a.eval_every == 0 or prog.step == a.steps:
+            prog.write(loss=loss.item(), **evaluate(raw, eval_frames))
+        timeout = prog.over()
+        if time.time() - last_save > a.save_every or prog.step == a.steps or timeout:
             save()
             last_save = time.time()
         if timeout:
             break
-    bar.close()
+    prog.close()
     ev = evaluate(raw, eval_frames)
-    print(f"train_autoencoder: step {step}, held-out PSNR {ev['psnr']:.2f} dB, status bar {ev['hud_psnr']:.2f} dB")
+    print(f"train_autoencoder: step {prog.step}, held-out PSNR {ev['psnr']:.2f} dB, status bar {ev['hud_psnr']:.2f} dB")
     return 0
 
 

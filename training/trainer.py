@@ -101,13 +101,15 @@ def save_run(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ema
 
 def optimizer_step(acc: Accelerator, model: torch.nn.Module, opt: torch.optim.Optimizer, schedule: Any, ema: Any,
                    loss: torch.Tensor, clip: float = 1.0) -> None:
-    """Backward, gradient clipping, the optimizer and schedule steps, and the EMA of the unwrapped weights."""
+    """Backward, gradient clipping, the optimizer and schedule steps, and the EMA of the unwrapped weights
+    (ema None: a run that keeps none)."""
     opt.zero_grad(set_to_none=True)
     acc.backward(loss)
     acc.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     schedule.step()
-    ema.step(acc.unwrap_model(model).parameters())
+    if ema is not None:
+        ema.step(acc.unwrap_model(model).parameters())
 
 
 SCHEDULES = ("constant", "cosine")
