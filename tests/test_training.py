@@ -67,6 +67,28 @@ def test_autoencoder_resume_with_other_architecture_is_one_line(tiny_ae, tiny_da
     assert "\n" not in err and "--latent-channels 4" in err
 
 
+def test_a_4x_autoencoder_trains_and_a_mismatched_one_is_one_line(tiny_dataset, tmp_path, capsys):
+    import numpy as np
+    from diffusers import AutoencoderTiny
+
+    from neuraldoom import autoencoder as AE
+    from neuraldoom.checkpoint import load_model_dir
+
+    four = ["--encoder-fold", "4", "--encoder-blocks", "1", "--decoder-fold", "2", "--decoder-blocks", "1", "1"]
+    assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(tmp_path / "x4"), "--steps", "2",
+                                   "--batch", "2", "--eval-every", "2", "--eval-frames", "4", *TINY_AE, *four]) == 0
+    ae = load_model_dir(AutoencoderTiny, tmp_path / "x4" / "autoencoder")
+    assert AE.downsampling(ae) == 4 and AE.latent_hw(ae, 120, 160) == (32, 40)
+    frames = np.zeros((2, 120, 160, 3), np.uint8)
+    z = AE.encode(ae, frames)
+    assert z.shape == (2, 4, 32, 40) and AE.decode(ae, z, 120, 160).shape == frames.shape
+    bad = ["--encoder-fold", "4", "--encoder-blocks", "1"]  # 4x in, 8x out
+    capsys.readouterr()
+    assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(tmp_path / "bad"), *TINY_AE, *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "downsamples 4x" in err
+
+
 def test_autoencoder_refuses_negative_latent_noise(tiny_dataset, tmp_path, capsys):
     assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(tmp_path / "r"),
                                    "--latent-noise", "-1"]) == 2

@@ -67,6 +67,12 @@ class Args:
     latent_channels: int = AutoencoderConfig.latent_channels
     encoder_channels: int = AutoencoderConfig.encoder_channels
     decoder_channels: int = AutoencoderConfig.decoder_channels
+    # the downsampling: encoder_fold x 2^(levels - 1), the same for the decoder (4, 2 levels / 2, 3 levels: 8x;
+    # 4, 1 level / 2, 2 levels: 4x, four times the latent cells)
+    encoder_fold: int = AutoencoderConfig.encoder_fold
+    decoder_fold: int = AutoencoderConfig.decoder_fold
+    encoder_blocks: tuple[int, ...] = AutoencoderConfig.encoder_blocks
+    decoder_blocks: tuple[int, ...] = AutoencoderConfig.decoder_blocks
 
 
 def sample_batch(pool: FramePool, rng: np.random.Generator, a: Args, factor: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +133,8 @@ def normalize_latents(ae: AutoencoderTiny, frames: np.ndarray) -> None:
     ae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
 
 
-ARCHITECTURE = ("latent_channels", "encoder_channels", "decoder_channels")
+ARCHITECTURE = ("latent_channels", "encoder_channels", "decoder_channels", "encoder_fold", "decoder_fold",
+                "encoder_blocks", "decoder_blocks")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if a.decoder_only:
                 raise CheckpointError(f"--decoder-only needs a trained autoencoder in {out}/autoencoder")
-            ae = AE.build_autoencoder(AutoencoderConfig(latent_channels=a.latent_channels,
-                                                        encoder_channels=a.encoder_channels,
-                                                        decoder_channels=a.decoder_channels))
+            ae = AE.build_autoencoder(AutoencoderConfig(
+                latent_channels=a.latent_channels, encoder_channels=a.encoder_channels,
+                decoder_channels=a.decoder_channels, encoder_fold=a.encoder_fold, decoder_fold=a.decoder_fold,
+                encoder_blocks=a.encoder_blocks, decoder_blocks=a.decoder_blocks))
         step, seen, elapsed = 0, 0, 0.0
         params = ae.decoder.parameters() if a.decoder_only else ae.parameters()
         ae.encoder.requires_grad_(not a.decoder_only)
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 g["lr"] = g["initial_lr"] = a.lr
             step, seen, elapsed = int(meta["step"]), int(meta.get("seen", 0)), float(meta.get("elapsed", 0.0))
             print(f"train_autoencoder: resuming at step {step}")
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         print(f"train_autoencoder: {e}", file=sys.stderr)
         return 2
     # A cosine over the run's length: --steps, or --minutes of wall time if that ends first, so a
