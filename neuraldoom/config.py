@@ -60,16 +60,17 @@ class GameConfig:
 
 @dataclass(frozen=True)
 class AutoencoderConfig:
-    """diffusers AutoencoderTiny between pixel (un)shuffles: the encoder reads 4x4-folded pixels and
-    downsamples once more (8x), the decoder upsamples twice and unfolds 2x2 (8x)."""
+    """diffusers AutoencoderTiny between pixel (un)shuffles: the encoder reads 4x4-folded pixels (4x), the
+    decoder upsamples once and unfolds 2x2 (4x). 8 channels on a 32x40 latent: the 8x layout (16 channels on
+    16x20) had to invent every 8x8 cell's texture and blurred it (docs/EXPERIMENTS.md, the autoencoder)."""
 
-    latent_channels: int = 16
+    latent_channels: int = 8
     encoder_fold: int = 4
     decoder_fold: int = 2
     encoder_channels: int = 64
     decoder_channels: int = 32  # decode is the per-frame wall on CPU (docs/DESIGN.md §4): keep it slim
-    encoder_blocks: tuple[int, ...] = (2, 3)  # residual blocks per level
-    decoder_blocks: tuple[int, ...] = (2, 2, 1)
+    encoder_blocks: tuple[int, ...] = (2,)  # residual blocks per level; downsampling = fold x 2^(levels - 1)
+    decoder_blocks: tuple[int, ...] = (2, 1)
 
 
 @dataclass(frozen=True)

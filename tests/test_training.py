@@ -82,11 +82,11 @@ def test_a_4x_autoencoder_trains_and_a_mismatched_one_is_one_line(tiny_dataset, 
     frames = np.zeros((2, 120, 160, 3), np.uint8)
     z = AE.encode(ae, frames)
     assert z.shape == (2, 4, 32, 40) and AE.decode(ae, z, 120, 160).shape == frames.shape
-    bad = ["--encoder-fold", "4", "--encoder-blocks", "1"]  # 4x in, 8x out
+    bad = ["--encoder-fold", "4", "--encoder-blocks", "1", "1"]  # 8x in, 4x out (the default decoder)
     capsys.readouterr()
     assert train_autoencoder.main(["--data", str(tiny_dataset), "--out", str(tmp_path / "bad"), *TINY_AE, *bad]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "downsamples 4x" in err
+    assert "\n" not in err and "downsamples 8x" in err
 
 
 def test_autoencoder_refuses_negative_latent_noise(tiny_dataset, tmp_path, capsys):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuraldoom.config import parse_args
+from neuraldoom.config import AutoencoderConfig, parse_args
 from training import collect, evaluate, export, train_autoencoder, train_diffusion
 
 
@@ -35,7 +35,7 @@ class Args:
     target: str = "delta"
     reads: int = 0
     block_out_channels: tuple[int, ...] = (32, 64, 128)
-    latent_channels: int = 16
+    latent_channels: int = AutoencoderConfig.latent_channels
     grad_weight: float = 0.5
     rollouts: int = 8
     rollout_steps: int = 128

@@ -49,7 +49,7 @@ class Args:
     lr: float = 1e-3
     crop: tuple[int, int] = (64, 80)  # train on crops (fully convolutional; ~2.5x cheaper); 0,0 = frames
     hud_weight: float = 4.0  # loss weight of the status bar: it is game state, not decoration
-    digit_weight: float = 0.0  # loss weight of the status bar's number cells (ammo, health, armor), 160x120
+    digit_weight: float = 30.0  # loss weight of the status bar's number cells (ammo, health, armor), 160x120
     l1: float = 0.1
     grad_weight: float = 0.0  # L1 on image gradients: MSE alone is minimised by blur (edges, textures)
     adv_weight: float = 0.0  # patch-discriminator (hinge) loss, relative to the reconstruction loss's gradient
