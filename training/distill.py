@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from neuraldoom.checkpoint import (
     Checkpoint,
     CheckpointError,
-    load_state,
     save_checkpoint,
     weights_digest,
 )
@@ -187,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     critic = (Critic(LatentDiscriminator(model.unet.config.out_channels), a.lr).to(acc.device) if a.adv_weight > 0
               else None)
     try:
-        opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.0)
-        if critic is not None and step:
-            critic.load(*load_state(state_path))
+        opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.0,
+                                                          extra=critic.load if critic is not None else None)
     except CheckpointError as e:
         print(f"distill: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -59,10 +60,12 @@ def accelerator(precision: str = "auto") -> Accelerator:
 
 # -- the denoiser-side loop: resume, one optimizer step, progress, save ---------------------------------
 def load_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Module, opt: torch.optim.Optimizer,
-             ema: Any) -> tuple[int, int, float]:
-    """Resume from a state file written by save_run: weights, optimizer (at the given --lr), EMA; returns
-    (step, samples seen, elapsed seconds), (0, 0, 0.0) when there is no state yet. A changed
-    architecture flag or a broken file is a CheckpointError (one line)."""
+             ema: Any, extra: Callable[[dict[str, torch.Tensor], dict[str, Any]], Any] | None = None,
+             ) -> tuple[int, int, float]:
+    """Resume from a state file written by save_run: weights, optimizer (at the given --lr), EMA, and
+    whatever else the run kept (extra(tensors, meta), e.g. a critic's load); returns (step, samples seen,
+    elapsed seconds), (0, 0, 0.0) when there is no state yet. A changed architecture flag or a broken file
+    is a CheckpointError (one line)."""
     if not path.exists():
         return 0, 0, 0.0
     tensors, meta = load_state(path)
@@ -73,16 +76,19 @@ def load_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Modul
         g["lr"] = g["initial_lr"] = args.lr
     ema.shadow_params = [tensors[f"ema.{i}"] for i in range(len(ema.shadow_params))]
     ema.optimization_step = meta["ema_step"]
+    if extra is not None:
+        extra(tensors, meta)
     return int(meta["step"]), int(meta["seen"]), float(meta.get("elapsed", 0.0))
 
 
-def start_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Module,
-              weight_decay: float) -> tuple[torch.optim.Optimizer, Any, int, int, float]:
+def start_run(path: Path, args: Any, keys: tuple[str, ...], model: torch.nn.Module, weight_decay: float,
+              extra: Callable[[dict[str, torch.Tensor], dict[str, Any]], Any] | None = None,
+              ) -> tuple[torch.optim.Optimizer, Any, int, int, float]:
     """The optimizer (AdamW at --lr) and EMA (--ema) of a denoiser-side run, resumed from its state file
     where there is one: (opt, ema, step, samples seen, elapsed seconds); CheckpointError as load_run."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=weight_decay)
     ema = EMAModel(model.parameters(), decay=args.ema, use_ema_warmup=True, power=3 / 4)
-    return (opt, ema, *load_run(path, args, keys, model, opt, ema))
+    return (opt, ema, *load_run(path, args, keys, model, opt, ema, extra))
 
 
 def save_run(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ema: Any, step: int, seen: int,
