@@ -196,6 +196,20 @@ def test_export_swaps_a_decoder_only_with_the_same_encoder(tiny_run, tiny_ae, tm
     assert "another encoder" in capsys.readouterr().err
 
 
+def test_export_sets_the_shipped_guidance(tiny_run, tmp_path, capsys):
+    src = Checkpoint(tiny_run / "checkpoint")
+    out = tmp_path / "g1"
+    assert export.main(["--checkpoint", str(tiny_run / "checkpoint"), "--guidance", "1.0", "--out", str(out)]) == 0
+    ck = Checkpoint(out)
+    assert src.sampler_cfg.cfg != 1.0 and ck.sampler_cfg.cfg == 1.0
+    assert all(torch.equal(x, y) for x, y in zip(src.denoiser.state_dict().values(),
+                                                 ck.denoiser.state_dict().values(), strict=True))
+    capsys.readouterr()
+    assert export.main(["--checkpoint", str(out), "--guidance", "-1", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--guidance" in err and not (tmp_path / "bad").exists()
+
+
 def test_bench_prints_the_table_and_the_summary_line(tiny_checkpoint, capsys):
     from neuraldoom import bench
 

@@ -14,7 +14,7 @@ outputs), each of which must have been distilled from this very denoiser.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,10 +32,14 @@ class Args:
     out: str
     autoencoder: str = ""  # a decoder-fine-tuned autoencoder folder to swap in
     students: tuple[str, ...] = ()  # checkpoints whose distilled students to carry (later ones win)
+    guidance: float = 0.0  # the teacher's classifier-free guidance weight to ship (0 = keep the checkpoint's)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
+    if a.guidance < 0:
+        print(f"export: --guidance must be > 0 (or 0 to keep the checkpoint's), got {a.guidance}", file=sys.stderr)
+        return 2
     try:
         ck = Checkpoint(a.checkpoint)
         ae = ck.ae
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = dict(ck.config.get("notes", {}))
     if a.autoencoder:
         notes["decoder"] = str(a.autoencoder)
-    save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg, ck.context_frames,
+    sampler_cfg = replace(ck.sampler_cfg, cfg=a.guidance) if a.guidance else ck.sampler_cfg
+    save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, sampler_cfg, ck.context_frames,
                     ck.context_actions, notes, students)
     mb = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file()) / 2**20
     print(f"export: {a.out} ({mb:.1f} MB; students: {sorted(students) or 'none'})")
