@@ -210,6 +210,15 @@ def test_export_sets_the_shipped_guidance(tiny_run, tmp_path, capsys):
     assert "\n" not in err and "--guidance" in err and not (tmp_path / "bad").exists()
 
 
+def test_continued_training_keeps_the_checkpoints_guidance(tiny_checkpoint, tiny_dataset, tmp_path):
+    g2 = tmp_path / "g2"
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--guidance", "2.0", "--out", str(g2)]) == 0
+    out = tmp_path / "more"
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(g2), "--out", str(out), "--steps",
+                                 "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2"]) == 0
+    assert Checkpoint(out / "checkpoint").sampler_cfg.cfg == 2.0
+
+
 def test_bench_prints_the_table_and_the_summary_line(tiny_checkpoint, capsys):
     from neuraldoom import bench
 

@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
                  "hud_weight": a.hud_weight}
-        save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, SamplerConfig(), ctx_frames, ctx_actions,
-                        notes)
+        sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
+        save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
         print(f"train_diffusion: {acc.num_processes} process(es) on {acc.device}, {len(train)} training targets")
