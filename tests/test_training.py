@@ -236,7 +236,8 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
     assert "\n" not in err and "block-out-channels" in err
 
 
-@pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"]])
+@pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"],
+                                   ["--event-share", "1.5"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
@@ -268,6 +269,25 @@ def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):
     assert hud != pytest.approx(plain, rel=1e-3)
 
 
+def test_the_status_bar_events_are_the_rows_whose_numbers_change(tiny_ae, tiny_dataset, tmp_path):
+    import numpy as np
+    from diffusers import AutoencoderTiny
+
+    from neuraldoom import statusbar as SB
+    from neuraldoom.checkpoint import load_model_dir
+    from neuraldoom.recording import open_dataset
+    from training import latents as L
+
+    ae = load_model_dir(AutoencoderTiny, tiny_ae / "autoencoder")
+    data = L.build(ae, tiny_dataset / "train", tmp_path / "latents", 0)
+    shown = np.concatenate([SB.frame_values(r) for r in open_dataset(tiny_dataset / "train") if len(r)])
+    changed = (shown[1:] != shown[:-1]).any((1, 2))
+    targets = data.targets.numpy()
+    events = set(data.event_targets.tolist())
+    assert events and events <= set(targets.tolist())  # random play spends ammo within 400 steps
+    assert all(changed[i - 1] == (i in events) for i in targets)  # within episodes: a target has a row before
+
+
 def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, tiny_dataset, tmp_path):
     from training import experiment
 
@@ -276,7 +296,7 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
             "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
             "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
             "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine",
-            "--hud-weight", "4", *TINY_DM]
+            "--hud-weight", "4", "--event-share", "0.5", *TINY_DM]
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0

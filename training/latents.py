@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from neuraldoom import actions as A
 from neuraldoom import autoencoder as AE
+from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import weights_digest
 from neuraldoom.files import write_text
 from neuraldoom.recording import open_dataset
@@ -27,13 +28,17 @@ def encoder_digest(ae: AutoencoderTiny) -> str:
 
 
 class LatentSet:
-    """Latents (M, C, h, w) fp16, action codes (M, 2), episode start row (M,), target-able rows."""
+    """Latents (M, C, h, w) fp16, action codes (M, 2), episode start row (M,), target-able rows, and
+    optionally which rows are events: the status bar's numbers change there (M,) bool."""
 
-    def __init__(self, z: torch.Tensor, actions: np.ndarray, ep_start: np.ndarray, valid: np.ndarray) -> None:
+    def __init__(self, z: torch.Tensor, actions: np.ndarray, ep_start: np.ndarray, valid: np.ndarray,
+                 events: np.ndarray | None = None) -> None:
         self.z = z
         self.actions = torch.as_tensor(actions, dtype=torch.int64)
         self.ep_start = torch.as_tensor(ep_start, dtype=torch.int64)
         self.targets = torch.as_tensor(np.flatnonzero(valid))
+        ev = np.zeros(len(valid), bool) if events is None else np.asarray(events, bool)
+        self.event_targets = torch.as_tensor(np.flatnonzero(ev & np.asarray(valid, bool)))
         self.noop = torch.from_numpy(A.NOOP.code)
 
     def __len__(self) -> int:
@@ -63,7 +68,7 @@ def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int) -> Late
     digest = encoder_digest(ae)
     recs = [r for r in open_dataset(data) if len(r)]
     per = max(1, max_frames // len(recs)) if max_frames else None
-    zs, acts, starts, ts = [], [], [], []
+    zs, acts, starts, ts, evs = [], [], [], [], []
     offset = 0
     for r in recs:
         n = len(r) if per is None else min(len(r), per)
@@ -91,5 +96,17 @@ def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int) -> Late
         valid = np.ones(n, bool)
         valid[first] = False  # an episode's first frame has no previous frame to predict it from
         ts.append(valid)
+        evs.append(status_events(np.asarray(steps["vars"]), ep))
         offset += n
-    return LatentSet(torch.cat(zs), np.concatenate(acts), np.concatenate(starts), np.concatenate(ts))
+    return LatentSet(torch.cat(zs), np.concatenate(acts), np.concatenate(starts), np.concatenate(ts),
+                     np.concatenate(evs))
+
+
+def status_events(variables: np.ndarray, episode: np.ndarray) -> np.ndarray:
+    """(N,) bool: the rows whose status bar shows other numbers than the row before (ammo spent, health
+    lost or picked up; 5% of random play). The denoiser must draw these changes itself in play, and
+    uniform sampling shows it few of them."""
+    shown = SB.shown_values(variables, episode)  # (N, 2, 3) candidates [row - 1, row]
+    ev = np.zeros(len(shown), bool)
+    ev[1:] = (shown[1:] != shown[:-1]).any((1, 2)) & (episode[1:] == episode[:-1])
+    return ev

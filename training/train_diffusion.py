@@ -60,6 +60,8 @@ class Args:
     own_frames: float = 0.0  # share of samples whose last context frame is the model's own sample of it
     hud_weight: float = 1.0  # loss weight of the latent rows under the status bar: it is game state that
     # barely changes, and an unsure model's small errors there smear its digits within a few steps of play
+    event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
+    # change (latents.status_events): random play spends ammo in 5% of its steps, and the model never drew it
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
     save_every: float = 300.0  # seconds
     eval_every: int = 250
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
         if a.hud_weight <= 0:
             raise CheckpointError(f"--hud-weight must be > 0, not {a.hud_weight}")
+        if not 0 <= a.event_share <= 1:
+            raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
         if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1 or not 0 <= a.own_frames <= 1:
             raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}), --clean-share and "
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
-                 "hud_weight": a.hud_weight}
+                 "hud_weight": a.hud_weight, "event_share": a.event_share}
         sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
@@ -252,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     last_save = time.time()
     while prog.step < a.steps and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
+        if a.event_share and len(train.event_targets):
+            k = int(round(a.event_share * a.batch))
+            idx[:k] = train.event_targets[torch.randint(0, len(train.event_targets), (k,), generator=gen)]
         batch = train.window(idx, dcfg.context)
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
