@@ -130,15 +130,26 @@ class StickyRandomPolicy:
     """Exploration for data collection: hold an action, with probability `repeat` keep it next step.
 
     New actions favour moving forward and turning, so random play actually travels through the map.
+    With `idle` > 0 a new action is, with that probability, standing still (NOOP) held with probability
+    `idle_repeat` a step (0.95: ~1 s): players stand still, and a model that never saw a still view long
+    enough to stop sliding lets a still scene dissolve. idle = 0 draws exactly as before.
     """
 
-    def __init__(self, rng: np.random.Generator, repeat: float = 0.8) -> None:
+    def __init__(self, rng: np.random.Generator, repeat: float = 0.8, idle: float = 0.0,
+                 idle_repeat: float = 0.95) -> None:
         self.rng = rng
         self.repeat = repeat
+        self.idle = idle
+        self.idle_repeat = idle_repeat
         self.last = NOOP
+        self.idling = False
 
     def __call__(self) -> Action:
-        if self.rng.random() < self.repeat:
+        if self.rng.random() < (self.idle_repeat if self.idling else self.repeat):
+            return self.last
+        self.idling = bool(self.idle) and self.rng.random() < self.idle
+        if self.idling:
+            self.last = NOOP
             return self.last
         r = self.rng.random
         bits = 0

@@ -94,3 +94,25 @@ def test_sticky_random_policy_is_seeded_and_sticky():
     repeats = sum(x == y for x, y in zip(a, a[1:], strict=False)) / (len(a) - 1)
     assert repeats > 0.75  # held actions, like a human
     assert sum(x.buttons & 1 for x in a) > 100  # it mostly walks forward
+
+
+def test_sticky_random_policy_idles_in_long_still_runs_and_idle_zero_draws_as_before():
+    def run(idle: float, n: int = 4000) -> list[Action]:
+        p = A.StickyRandomPolicy(np.random.default_rng(5), repeat=0.8, idle=idle)
+        return [p() for _ in range(n)]
+
+    plain = run(0.0)
+    rng = np.random.default_rng(5)  # idle 0 is the default policy, draw for draw
+    old = A.StickyRandomPolicy(rng, repeat=0.8)
+    assert plain == [old() for _ in range(4000)]
+    runs, length = [], 0
+    for x in run(0.15):
+        if x == A.NOOP:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    still = sum(runs) / 4000
+    assert 0.25 < still < 0.6  # 0.15 x 20 steps against 0.85 x 5: about 40% of the steps
+    assert np.mean(runs) > 10  # held ~1 s, long enough for the view to stop sliding
+    assert sum(x == A.NOOP for x in plain) / 4000 < 0.1

@@ -165,8 +165,11 @@ def test_diffusion_resumes_after_sigkill(tiny_ae, tiny_dataset, tmp_path):
 def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, capsys):
     out = tmp_path / "eval"
     assert evaluate.main(["--checkpoint", str(tiny_run / "checkpoint"), "--data", str(tiny_dataset),
-                          "--out", str(out), "--samples", "4", "--rollouts", "2", "--rollout-steps", "5"]) == 0
+                          "--out", str(out), "--samples", "4", "--rollouts", "2", "--rollout-steps", "5",
+                          "--still", "2", "--still-steps", "3"]) == 0
     rep = json.loads((out / "report.json").read_text())
+    assert rep["n_still"] == 2 and len(rep["still_psnr"]) == len(rep["still_sharpness"]) == 3
+    assert isinstance(rep["still_ae_psnr"], float) and (out / "still.png").stat().st_size > 0
     for k in ("tf_psnr", "tf_psnr_nocfg", "tf_ssim", "copy_last_psnr", "mean_frame_psnr", "ae_psnr", "hud_psnr",
               "ae_hud_psnr", "n_samples"):
         assert isinstance(rep[k], (int, float)), k

@@ -35,13 +35,13 @@ def existing_frames(out: Path) -> tuple[int, int]:
     return sum(len(Recording(p)) for p in recs), len(runs)
 
 
-def worker(cfg: GameConfig, out: str, run: int, w: int, steps: int, seed: int, repeat: float,
+def worker(cfg: GameConfig, out: str, run: int, w: int, steps: int, seed: int, repeat: float, idle: float,
            heldout: float, counter: mp.Value, parent: int) -> None:  # type: ignore[type-arg]
     die_with_parent(parent)
     rng = np.random.default_rng([seed, run, w])
     name = f"run-{run:03d}-w{w:02d}"
     writers = {s: RecordingWriter(Path(out) / s / name, cfg, engine="real",
-                                  extra={"policy": "sticky_random", "repeat": repeat})
+                                  extra={"policy": "sticky_random", "repeat": repeat, "idle": idle})
                for s in ("train", "heldout")}
     done = 0
     try:
@@ -49,7 +49,7 @@ def worker(cfg: GameConfig, out: str, run: int, w: int, steps: int, seed: int, r
             while done < steps:
                 ep_seed = int(rng.integers(2**31 - 1))
                 writer = writers["heldout" if rng.random() < heldout else "train"]
-                policy = StickyRandomPolicy(rng, repeat)
+                policy = StickyRandomPolicy(rng, repeat, idle)
                 frame = game.reset(ep_seed)
                 writer.new_episode(ep_seed)
                 while not game.done and done < steps:
@@ -99,12 +99,16 @@ class Args:
     frame_skip: int = GameConfig.frame_skip
     episode_tics: int = EPISODE_TICS  # episode timeout in tics
     repeat: float = 0.8  # probability of repeating the last action
+    idle: float = 0.0  # share of new actions that stand still, for ~1 s (StickyRandomPolicy)
     heldout: float = 0.1  # fraction of episodes held out
     seed: int = 0
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
+    if not 0 <= a.idle <= 1:
+        print(f"collect: --idle must be within [0, 1], not {a.idle}", file=sys.stderr)
+        return 2
     if a.workers < 1 or a.steps < 1:
         print(f"collect: --workers and --steps must be at least 1 (got {a.workers} and {a.steps})", file=sys.stderr)
         return 2
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     counter = mp.Value("q", 0)
     per = [todo // a.workers + (i < todo % a.workers) for i in range(a.workers)]
-    procs = [mp.Process(target=worker, args=(cfg, str(out), run, w, n, a.seed, a.repeat, a.heldout, counter,
+    procs = [mp.Process(target=worker, args=(cfg, str(out), run, w, n, a.seed, a.repeat, a.idle, a.heldout, counter,
                                              os.getpid()), daemon=True) for w, n in enumerate(per) if n > 0]
     t0 = time.time()
     for pr in procs:

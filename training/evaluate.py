@@ -18,6 +18,10 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
   (ar_alive counts them; null for a step none reaches); ar_statusbar_acc is over all alive frames, and
   ar_copy_last_statusbar_acc is the same for the rollout's last real frame held still (a bar that
   never changes: what tracking ammo and health must beat).
+- still views: a held-out frame as the whole context (a player who has stood still for the context's
+  length) and NOOP for --still-steps: the real game keeps showing that frame (only monsters and animated
+  sprites move), so each generated frame is scored against it (still_psnr, still_sharpness per step;
+  still_ae_psnr is the autoencoder's ceiling). OUT/still.png: the frame, then steps 1, 4, 16, 64.
 Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs.
 """
 
@@ -57,6 +61,8 @@ class Args:
     guidance: float = 0.0  # CFG weight of the main runs (0 = the checkpoint's own); plays the teacher
     steps: int = 0  # DDIM steps of the main runs (0 = the checkpoint's own); a distilled student where it has one
     teacher: bool = False  # the teacher with CFG even where a student for these steps is carried
+    still: int = 4  # still views (0: none)
+    still_steps: int = 64
     threads: int = 1
 
 
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     report["statusbar_fields"] = {"real": _fields(sb_real), "ae": ae_ev["statusbar_fields"] if sb else None,
                                   "tf": _fields(sb_tf), "ar": None if sb_ar is None else _fields(sb_ar[alive])}
     report["n_rollouts"] = len(starts)
+    report.update(still_views(eng, ckpt.ae, real[: a.still], a.still_steps, out))
     write_text(out / "report.json", json.dumps(report, indent=2))
     _plots(out, report, prev, real, gen, ar_real, ar_gen, alive)
 
@@ -240,10 +247,36 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"autoregressive step {t}: model / copy-last / sharpness / status bar",
                          f"{report['ar_psnr'][t - 1]:.2f} / {report['ar_copy_last_psnr'][t - 1]:.2f} / "
                          f"{report['ar_sharpness'][t - 1]:.2f} / {_fmt(report['ar_statusbar_acc_steps'][t - 1])}"))
+    for t in (1, 16, 64):
+        if t <= len(report["still_psnr"]):
+            rows.append((f"still view, step {t}: PSNR / sharpness (autoencoder {report['still_ae_psnr']:.2f})",
+                         f"{report['still_psnr'][t - 1]:.2f} / {report['still_sharpness'][t - 1]:.2f}"))
     print(f"{'metric':<66} value  (n={report['n_samples']} held-out targets, {len(starts)} rollouts)")
     for k, v in rows:
         print(f"{k:<66} {v:.3f}" if isinstance(v, float) else f"{k:<66} {v}")
     return 0
+
+
+def still_views(eng: NeuralEngine, ae: Any, views: np.ndarray, T: int, out: Path) -> dict[str, Any]:
+    """Each view as the whole context, then T NOOP steps scored against the view itself (module doc)."""
+    from PIL import Image
+
+    if not len(views) or T < 1:
+        return {"still_psnr": [], "still_sharpness": [], "still_ae_psnr": None, "n_still": 0}
+    gen = np.zeros((len(views), T, *views.shape[1:]), np.uint8)
+    for j, v in enumerate(views):
+        eng.set_context(v[None], A.NOOP.code[None])
+        for t in range(T):
+            gen[j, t] = eng.step(A.NOOP)
+    ref = np.broadcast_to(views[:, None], gen.shape)
+    shown = [0] + [t for t in (1, 4, 16, 64) if t <= T]
+    strip = np.concatenate([np.concatenate([views[j]] + [gen[j, t - 1] for t in shown[1:]], 1)
+                            for j in range(len(views))], 0)
+    with atomic_path(out / "still.png") as tmp:
+        Image.fromarray(strip).save(tmp)  # rows: the view | its steps 1, 4, 16, 64 standing still
+    return {"still_psnr": [M.psnr(gen[:, t], ref[:, t]) for t in range(T)],
+            "still_sharpness": [M.sharpness(gen[:, t], ref[:, t]) for t in range(T)],
+            "still_ae_psnr": evaluate_autoencoder(ae, views)["psnr"], "n_still": len(views)}
 
 
 def _fmt(v: float | None) -> str:
