@@ -97,3 +97,19 @@ def test_a_sigkilled_collect_takes_its_workers_along_and_loses_no_written_step(t
     assert n >= 200
     assert collect.main(["--steps", str(n + 50), "--out", str(out), "--workers", "1"]) == 0
     assert sum(len(Recording(r)) for r in find_recordings(out)) == n + 50
+
+
+def test_idle_play_stands_still_in_the_real_game_and_a_bad_share_is_one_line(tmp_path, capsys):
+    import numpy as np
+
+    out = tmp_path / "idle"
+    assert collect.main(["--steps", "300", "--out", str(out), "--workers", "1", "--heldout", "0",
+                         "--episode-tics", "700", "--idle", "0.5", "--seed", "4"]) == 0
+    rec = Recording(find_recordings(out / "train")[0])
+    frames = np.asarray(rec.frames[:]).astype(np.int16)
+    same = (np.abs(frames[1:, :96] - frames[:-1, :96]).max((1, 2, 3)) == 0).mean()
+    assert same > 0.2  # the view stops once the slide after a stop dies out (plain play: ~0.6%)
+    capsys.readouterr()
+    assert collect.main(["--steps", "10", "--out", str(tmp_path / "d"), "--idle", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--idle" in err and not (tmp_path / "d").exists()
