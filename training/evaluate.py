@@ -269,8 +269,8 @@ def still_views(eng: NeuralEngine, ae: Any, views: np.ndarray, T: int, out: Path
         for t in range(T):
             gen[j, t] = eng.step(A.NOOP)
     ref = np.broadcast_to(views[:, None], gen.shape)
-    shown = [0] + [t for t in (1, 4, 16, 64) if t <= T]
-    strip = np.concatenate([np.concatenate([views[j]] + [gen[j, t - 1] for t in shown[1:]], 1)
+    shown = [t for t in (1, 4, 16, 64) if t <= T]
+    strip = np.concatenate([np.concatenate([views[j]] + [gen[j, t - 1] for t in shown], 1)
                             for j in range(len(views))], 0)
     with atomic_path(out / "still.png") as tmp:
         Image.fromarray(strip).save(tmp)  # rows: the view | its steps 1, 4, 16, 64 standing still
