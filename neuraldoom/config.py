@@ -95,6 +95,9 @@ class DenoiserConfig:
 class SamplerConfig:
     steps: int = 4  # GameNGen §3.3: 4 DDIM steps lose nothing against 20+
     cfg: float = 1.5  # guidance on the past frames only, not the actions
+    deadband: float = 0.0  # a delta model's predicted change is dropped in the latent cells where it is under
+    # this (RMS over channels, in units of one step's change std): there it is sampling noise, and in play it
+    # accumulates step after step (status-bar digits and still views drift within seconds); 0 = off
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -91,7 +91,7 @@ class NeuralEngine:
     def __init__(self, ckpt: Checkpoint, compile: bool = True, steps: int | None = None,
                  guidance: float | None = None, seed: int = 0, wait_compile: bool = False,
                  cores: int | None = None, parallel: str = "cfg", dtype: str | torch.dtype | None = None,
-                 batched: bool = False, teacher: bool = False) -> None:
+                 batched: bool = False, teacher: bool = False, deadband: float | None = None) -> None:
         """compile: use the AOTInductor pass — loaded from the cache, or built (in the background, eager
         meanwhile; or right here with wait_compile) on first use. cores: how many cores to use (default:
         all this process may use; 2 or more give a second stream of work, with 1 intra-op thread each
@@ -102,7 +102,8 @@ class NeuralEngine:
         pre-split form: faster on one core, no CFG split, numbers that differ by float rounding).
         steps: DDIM steps (default the checkpoint's). Where the checkpoint carries a student distilled for
         that many steps (guidance folded in), it plays, one pass a step; `teacher`, or an explicit
-        `guidance`, plays the teacher with classifier-free guidance instead."""
+        `guidance`, plays the teacher with classifier-free guidance instead. deadband: the sampler's (default
+        the checkpoint's; SamplerConfig.deadband)."""
         self.ckpt = ckpt
         self.cfg = ckpt.game
         self.n = ckpt.denoiser_cfg.context
@@ -116,7 +117,8 @@ class NeuralEngine:
             denoiser, guidance = ckpt.student(steps), 1.0
         else:
             denoiser, guidance = ckpt.denoiser, ckpt.sampler_cfg.cfg if guidance is None else guidance
-        self.sampler = DDIMSampler(denoiser, steps, guidance).eval()
+        deadband = ckpt.sampler_cfg.deadband if deadband is None else deadband
+        self.sampler = DDIMSampler(denoiser, steps, guidance, deadband).eval()
         self.dtype = resolve_dtype(dtype)
         self.eager = denoiser_pass(denoiser, self.dtype)
         self.denoise = self.eager  # the pass: eager, or the compiled package once it is there

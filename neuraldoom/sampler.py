@@ -80,10 +80,11 @@ def denoiser_pass(denoiser: Denoiser, dtype: torch.dtype = torch.float32) -> Den
 class DDIMSampler(nn.Module):
     """forward(noise (1,C,h,w), context (1,N,C,h,w), codes (1,N+1,2)) -> next latent (1,C,h,w)."""
 
-    def __init__(self, denoiser: Denoiser, steps: int = 4, cfg: float = 1.5) -> None:
+    def __init__(self, denoiser: Denoiser, steps: int = 4, cfg: float = 1.5, deadband: float = 0.0) -> None:
         super().__init__()
         self.denoiser = denoiser
         self.cfg = float(cfg)
+        self.deadband = float(deadband) if denoiser.delta else 0.0  # a frame target has no change to drop
         sched = ddim_scheduler()
         sched.set_timesteps(steps)
         a = sched.alphas_cumprod
@@ -125,7 +126,16 @@ class DDIMSampler(nn.Module):
             x0 = at**0.5 * x - (1 - at) ** 0.5 * v
             eps = at**0.5 * v + (1 - at) ** 0.5 * x
             x = ap**0.5 * x0 + (1 - ap) ** 0.5 * eps
+        if self.deadband:
+            x0 = drop_small_changes(x0, self.deadband)
         return self.denoiser.from_target(x0, last)
+
+
+def drop_small_changes(change: torch.Tensor, deadband: float) -> torch.Tensor:
+    """A delta target (B,C,h,w) with the cells whose change (RMS over channels) is under `deadband` set to
+    exactly no change: static content stays the very latent it was instead of taking a random step."""
+    size = change.pow(2).mean(1, keepdim=True).sqrt()
+    return torch.where(size < deadband, torch.zeros_like(change), change)
 
 
 # -- the compiled pass: build, cache, lock, load ----------------------------------------------------------

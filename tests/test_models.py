@@ -264,6 +264,32 @@ def test_delta_target_sampler_adds_the_change_to_the_last_context_frame():
     torch.testing.assert_close(delta.from_target(delta.to_target(z, ctx[0, :2]), ctx[0, :2]), z)
 
 
+def test_deadband_keeps_the_last_frame_exactly_where_the_predicted_change_is_small():
+    from dataclasses import replace
+
+    from neuraldoom.denoiser import Denoiser
+
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    torch.manual_seed(0)
+    frame = build_denoiser(dcfg, 4, (16, 20)).eval()
+    delta = Denoiser(frame.unet, frame.action_encoder, replace(dcfg, target="delta", delta_scale=0.5)).eval()
+    g = torch.Generator().manual_seed(1)
+    noise, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
+    codes = torch.randint(0, 4, (1, 5, 2), generator=g)
+    with torch.no_grad():
+        free = DDIMSampler(delta, 4, 1.0)(noise, ctx, codes)
+        change = (free - ctx[:, -1]) / 0.5  # in the target's units
+        size = change.pow(2).mean(1, keepdim=True).sqrt()
+        band = float(size.median())
+        held = DDIMSampler(delta, 4, 1.0, deadband=band)(noise, ctx, codes)
+        assert DDIMSampler(frame, 4, 1.0, deadband=band).deadband == 0.0  # a frame target has no change
+    small = (size < band).expand_as(free)
+    assert 0 < small.float().mean() < 1
+    torch.testing.assert_close(held[small], ctx[:, -1][small], rtol=0, atol=0)  # exactly the last frame
+    torch.testing.assert_close(held[~small], free[~small])  # the rest untouched
+    torch.testing.assert_close(DDIMSampler(delta, 4, 1.0, deadband=0.0)(noise, ctx, codes), free)
+
+
 def test_denoiser_reads_only_the_newest_frames():
     from dataclasses import replace
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from neuraldoom.checkpoint import Checkpoint
+from neuraldoom.engine import NeuralEngine
 from training import evaluate, export, train_autoencoder, train_diffusion
 
 TINY_AE = ["--latent-channels", "4", "--encoder-channels", "8", "--decoder-channels", "8"]
@@ -211,6 +212,17 @@ def test_export_sets_the_shipped_guidance(tiny_run, tmp_path, capsys):
     assert export.main(["--checkpoint", str(out), "--guidance", "-1", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--guidance" in err and not (tmp_path / "bad").exists()
+
+
+def test_export_sets_the_deadband_that_play_then_uses(tiny_run, tmp_path):
+    out = tmp_path / "db"
+    assert export.main(["--checkpoint", str(tiny_run / "checkpoint"), "--deadband", "0.3", "--out", str(out)]) == 0
+    ck = Checkpoint(out)
+    assert Checkpoint(tiny_run / "checkpoint").sampler_cfg.deadband == 0.0 and ck.sampler_cfg.deadband == 0.3
+    assert not ck.denoiser.delta and NeuralEngine(ck, compile=False).sampler.deadband == 0.0  # no change to drop
+    kept = tmp_path / "kept"  # no --deadband: the checkpoint's own travels on
+    assert export.main(["--checkpoint", str(out), "--out", str(kept)]) == 0
+    assert Checkpoint(kept).sampler_cfg.deadband == 0.3
 
 
 def test_continued_training_keeps_the_checkpoints_guidance(tiny_checkpoint, tiny_dataset, tmp_path):

@@ -61,6 +61,7 @@ class Args:
     guidance: float = 0.0  # CFG weight of the main runs (0 = the checkpoint's own); plays the teacher
     steps: int = 0  # DDIM steps of the main runs (0 = the checkpoint's own); a distilled student where it has one
     teacher: bool = False  # the teacher with CFG even where a student for these steps is carried
+    deadband: float = -1.0  # the sampler's deadband (SamplerConfig.deadband; -1 = the checkpoint's own)
     still: int = 4  # still views (0: none)
     still_steps: int = 64
     threads: int = 1
@@ -133,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     n = ckpt.denoiser_cfg.context
     H, W = ckpt.game.height, ckpt.game.width
     # one core, fp32: the same numbers on every machine and run (play may use bf16 and a second core)
+    deadband = None if a.deadband < 0 else a.deadband
     eng = NeuralEngine(ckpt, compile=a.compile, guidance=a.guidance or None, seed=a.seed, wait_compile=True,
-                       cores=1, dtype="float32", steps=a.steps or None, teacher=a.teacher)
+                       cores=1, dtype="float32", steps=a.steps or None, teacher=a.teacher, deadband=deadband)
     eng1 = NeuralEngine(ckpt, compile=a.compile, guidance=1.0, seed=a.seed, wait_compile=True, cores=1,
-                        dtype="float32")
+                        dtype="float32", deadband=deadband)
 
     # mean-frame baseline: the average training frame
     pool = [r.frames[i] for r in train if len(r) for i in np.linspace(0, len(r) - 1, 200).astype(int)]
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "guidance": eng.sampler.cfg,
         "steps": len(eng.sampler.plan),
         "student": eng.student,  # 0: the teacher; N: the N-step distilled student
+        "deadband": eng.sampler.deadband,
         "n_samples": len(real),
         "tf_psnr": M.psnr(gen, real),
         "tf_psnr_nocfg": M.psnr(gen1, real),

@@ -33,6 +33,7 @@ class Args:
     autoencoder: str = ""  # a decoder-fine-tuned autoencoder folder to swap in
     students: tuple[str, ...] = ()  # checkpoints whose distilled students to carry (later ones win)
     guidance: float = 0.0  # the teacher's classifier-free guidance weight to ship (0 = keep the checkpoint's)
+    deadband: float = -1.0  # the sampler's deadband to ship (SamplerConfig.deadband; -1 = keep the checkpoint's)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.autoencoder:
         notes["decoder"] = str(a.autoencoder)
     sampler_cfg = replace(ck.sampler_cfg, cfg=a.guidance) if a.guidance else ck.sampler_cfg
+    if a.deadband >= 0:
+        sampler_cfg = replace(sampler_cfg, deadband=a.deadband)
     save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, sampler_cfg, ck.context_frames,
                     ck.context_actions, notes, students)
     mb = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file()) / 2**20
