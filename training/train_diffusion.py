@@ -5,7 +5,8 @@
 
 Encodes DATA/train and DATA/heldout once into OUT/latents (cached, reused while the autoencoder is the
 same), then trains with the v-prediction loss (eq. 1, linear betas), noise augmentation of the context
-(level ~ U[0, 0.7], 10 buckets, §3.2.1), context dropout 0.1 (for CFG), AdamW, EMA weights and gradient
+(level ~ U[0, 0.7], 10 buckets, §3.2.1), context dropout 0.1 (for CFG), a quarter of the samples on the
+model's own sample of their last context frame (what play feeds it), AdamW, EMA weights and gradient
 clipping, under `accelerate` (one CPU process here; `accelerate launch` on GPUs). Every --save-every
 seconds it writes, atomically, OUT/train_state.safetensors (weights, optimizer, EMA, step: rerunning the
 same command resumes) and OUT/checkpoint (a complete playable checkpoint with the EMA weights).
@@ -55,9 +56,12 @@ class Args:
     schedule: str = "constant"  # learning rate after the warm-up: constant, or cosine to the run's end
     ema: float = 0.999
     context_dropout: float = 0.1  # drop the past frames (not the actions) so CFG has an unconditional
-    reference: str = "seen"  # a delta target's reference: the last context frame "seen" (noised) or "clean"
+    reference: str = "clean"  # a delta target's reference: the last context frame "clean" (static content is
+    # exactly no change at every context-noise level: sharp, steady frames) or as "seen" (noised: the target
+    # also asks to remove that noise; blurrier, the recipe before docs/EXPERIMENTS.md "The clean reference")
     clean_share: float = 0.0  # share of samples trained on an un-noised context (the one play feeds)
-    own_frames: float = 0.0  # share of samples whose last context frame is the model's own sample of it
+    own_frames: float = 0.25  # share of samples whose last context frame is the model's own sample of it (with
+    # the clean reference, what keeps long rollouts from carrying their errors on; 0.5 measured worse)
     hud_weight: float = 1.0  # loss weight of the latent rows under the status bar: it is game state that
     # barely changes, and an unsure model's small errors there smear its digits within a few steps of play
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
