@@ -242,8 +242,8 @@ def test_engine_feeds_the_sampler_contiguous_tensors(tiny_checkpoint):
     assert seen == [True, True]
 
 
-def test_delta_target_sampler_adds_the_change_to_the_last_context_frame():
-    """A "delta" denoiser is the frame denoiser's output, scaled, plus the last context latent."""
+def _frame_and_delta():
+    """A tiny frame denoiser, the same weights as a delta one (scale 0.5), and one sampler input."""
     from dataclasses import replace
 
     from neuraldoom.denoiser import Denoiser
@@ -255,6 +255,12 @@ def test_delta_target_sampler_adds_the_change_to_the_last_context_frame():
     g = torch.Generator().manual_seed(1)
     noise, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
     codes = torch.randint(0, 4, (1, 5, 2), generator=g)
+    return frame, delta, noise, ctx, codes
+
+
+def test_delta_target_sampler_adds_the_change_to_the_last_context_frame():
+    """A "delta" denoiser is the frame denoiser's output, scaled, plus the last context latent."""
+    frame, delta, noise, ctx, codes = _frame_and_delta()
     with torch.no_grad():
         for cfg in (1.0, 1.5):
             a = DDIMSampler(frame, 4, cfg)(noise, ctx, codes)
@@ -265,17 +271,7 @@ def test_delta_target_sampler_adds_the_change_to_the_last_context_frame():
 
 
 def test_deadband_keeps_the_last_frame_exactly_where_the_predicted_change_is_small():
-    from dataclasses import replace
-
-    from neuraldoom.denoiser import Denoiser
-
-    dcfg = DenoiserConfig(**TINY_DENOISER)
-    torch.manual_seed(0)
-    frame = build_denoiser(dcfg, 4, (16, 20)).eval()
-    delta = Denoiser(frame.unet, frame.action_encoder, replace(dcfg, target="delta", delta_scale=0.5)).eval()
-    g = torch.Generator().manual_seed(1)
-    noise, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
-    codes = torch.randint(0, 4, (1, 5, 2), generator=g)
+    frame, delta, noise, ctx, codes = _frame_and_delta()
     with torch.no_grad():
         free = DDIMSampler(delta, 4, 1.0)(noise, ctx, codes)
         change = (free - ctx[:, -1]) / 0.5  # in the target's units
