@@ -17,6 +17,17 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state, fixed by the first Accelerator built (its precision): a
+    trainer that asks for bf16 after another test built an fp32 one would fail, in this order only."""
+    yield
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture
 def subprocess_env() -> dict[str, str]:
     """Environment for `python -m neuraldoom.cli …` in a subprocess: the repo on the path, headless."""

@@ -223,6 +223,11 @@ def test_latent_windows_respect_episode_starts():
     assert ctx.flatten().tolist() == [4, 4, 5]  # padded with the episode's first frame
     # token k = action that led to context frame k (NOOP at/before the start), last = current action
     assert codes[0, :, 0].tolist() == [0, 0, 4, 5]
+    # the newest frames alone (what a denoiser reading fewer than N sees), with all N+1 action tokens
+    t2, ctx2, codes2 = ls.window(torch.tensor([6, 9]), 3, frames=2)
+    assert ctx2.flatten().tolist() == [4, 5, 7, 8] and codes2.shape == (2, 4, 2)
+    assert torch.equal(ctx2, ls.window(torch.tensor([6, 9]), 3)[1][:, -2:])
+    assert torch.equal(codes2, ls.window(torch.tensor([6, 9]), 3)[2])
 
 
 def test_engine_feeds_the_sampler_contiguous_tensors(tiny_checkpoint):

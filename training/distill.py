@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = acc.unwrap_model(model)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
     held_batch = held.window(held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]],
-                             raw.context)
+                             raw.context, raw.reads)
 
     @torch.no_grad()
     def held_loss() -> float:
@@ -230,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     last_save = time.time()
     while prog.step < a.iterations and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
+        batch = train.window(idx, raw.context, raw.reads)
         with acc.autocast():
-            loss, (fake, real, last, action) = distill_batch(model, teacher, plan, train.window(idx, raw.context),
-                                                             gen, acc.device)
+            loss, (fake, real, last, action) = distill_batch(model, teacher, plan, batch, gen, acc.device)
         adv = {}
         if critic is not None:  # the critic learns real from estimated next latents, then the student fools it
             adv["d_loss"] = critic.update(real.float(), fake.float(), last.float(), action)

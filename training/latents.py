@@ -49,14 +49,16 @@ class LatentSet:
         t = self.targets[torch.linspace(0, len(self.targets) - 1, min(4096, len(self.targets))).long()]
         return float((self.z[t].float() - self.z[t - 1].float()).std())
 
-    def window(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For target rows idx (B,): target (B,C,h,w), context (B,N,C,h,w), action codes (B,N+1,2).
+    def window(self, idx: torch.Tensor, n: int, frames: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For target rows idx (B,): target (B,C,h,w), context (B,F,C,h,w), action codes (B,N+1,2).
 
         Context frames before the episode start repeat its first frame; the action that led to a frame
         before (or at) the start is NOOP. Token k belongs to context frame k; token N is the current action.
+        `frames`: only the newest F of the N context frames (0 = all): a denoiser that reads 8 never sees
+        the rest, and gathering and noising all 64 cost ~15% of a training step.
         """
         s = self.ep_start[idx][:, None]
-        ctx_rows = torch.maximum(idx[:, None] + torch.arange(-n, 0), s)  # (B, N)
+        ctx_rows = torch.maximum(idx[:, None] + torch.arange(-(frames or n), 0), s)  # (B, F)
         tok_rows = idx[:, None] + torch.arange(-n - 1, 0)  # (B, N+1): action[j-1] led to frame j
         codes = self.actions[tok_rows.clamp(min=0)]
         codes = torch.where((tok_rows >= s)[..., None], codes, self.noop)

@@ -140,7 +140,7 @@ def with_own_frames(model: Denoiser, sampler: DDIMSampler, data: L.LatentSet, id
     pick = (torch.rand(len(idx), generator=gen) < share) & (idx - 1 > data.ep_start[idx])
     if not pick.any():
         return batch
-    _, pctx, pcodes = data.window(idx[pick] - 1, ctx.shape[1])
+    _, pctx, pcodes = data.window(idx[pick] - 1, codes.shape[1] - 1, ctx.shape[1])
     noise = torch.randn(pctx[:, -1].shape, generator=gen)
     with torch.no_grad(), acc.autocast():
         own = sampler.sample(noise.to(acc.device), pctx.to(acc.device), pcodes.to(acc.device),
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     def held_loss() -> float:
         raw.eval()
         g = torch.Generator().manual_seed(1)
-        loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context), dcfg, 0.0, g, acc.device,
+        loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context, raw.reads), dcfg, 0.0, g, acc.device,
                               a.reference, a.clean_share)
         raw.train()
         return float(loss)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.event_share and len(train.event_targets):
             k = int(round(a.event_share * a.batch))
             idx[:k] = train.event_targets[torch.randint(0, len(train.event_targets), (k,), generator=gen)]
-        batch = train.window(idx, dcfg.context)
+        batch = train.window(idx, dcfg.context, raw.reads)
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
