@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,7 +182,22 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     if rep["ar_statusbar_acc"] is not None:  # the real game's frames: the held bar's reads are a fraction
         assert 0 <= rep["ar_copy_last_statusbar_acc"] <= 1
     assert (out / "ar_psnr.png").stat().st_size > 0 and (out / "grid.png").stat().st_size > 0
+    assert sum(v["n"] for v in rep["tf_by_motion"].values()) == 4
     assert "copy-last-frame PSNR" in capsys.readouterr().out
+
+
+def test_motion_names_what_a_step_did_to_the_view():
+    from neuraldoom import actions as A
+
+    view = np.random.default_rng(0).integers(0, 255, (120, 160, 3), dtype=np.uint8)
+    other = view.copy()
+    other[:10] = 0
+    bar_only = view.copy()
+    bar_only[-5:] = 0  # only the status bar changed: the view stood still
+    assert evaluate.motion(A.Action.of("MOVE_FORWARD", turn=4.0).code, view, bar_only) == "still"
+    assert evaluate.motion(A.Action.of("MOVE_FORWARD", turn=4.0).code, view, other) == "turn"
+    assert evaluate.motion(A.Action.of("MOVE_FORWARD").code, view, other) == "move"
+    assert evaluate.motion(A.Action.of("ATTACK").code, view, other) == "other"
 
 
 def test_export_swaps_a_decoder_only_with_the_same_encoder(tiny_run, tiny_ae, tmp_path, capsys):

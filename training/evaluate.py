@@ -109,6 +109,28 @@ def evaluate_autoencoder(ae: Any, frames: np.ndarray, values: np.ndarray | None 
             "sharpness": M.sharpness(rec, frames), "statusbar_acc": _fraction(ok), "statusbar_fields": _fields(ok)}
 
 
+def motion(action: np.ndarray, prev: np.ndarray, nxt: np.ndarray) -> str:
+    """What one step of play did to the view: "still" (the view rows unchanged), "turn" (the action
+    turns), "move" (it walks without turning), else "other" (firing, using, momentum)."""
+    top = M.hud_top(prev.shape[0])
+    if np.array_equal(prev[:top], nxt[:top]):
+        return "still"
+    act = A.Action.from_code(action)
+    if act.turn != A.NO_TURN:
+        return "turn"
+    return "move" if any(b.startswith("MOVE") for b in act.pressed()) else "other"
+
+
+def by_motion(kinds: list[str], gen: np.ndarray, prev: np.ndarray, real: np.ndarray) -> dict[str, dict]:
+    """Teacher-forced PSNR and copy-last's, per kind of step: where the gain over copy-last comes from."""
+    out = {}
+    for kind in ("turn", "move", "still", "other"):
+        m = np.array([k == kind for k in kinds])
+        if m.any():
+            out[kind] = {"n": int(m.sum()), "psnr": M.psnr(gen[m], real[m]), "copy_last_psnr": M.psnr(prev[m], real[m])}
+    return out
+
+
 def _masked(metric: Any, gen: np.ndarray, real: np.ndarray, alive: np.ndarray) -> list[float | None]:
     """metric(gen[:, t], real[:, t]) per step t over the rollouts alive at t; None for a step none reaches."""
     return [metric(gen[alive[:, t], t], real[alive[:, t], t]) if alive[:, t].any() else None
@@ -162,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         prev.append(frames[-1])
         real_vals.append(SB.frame_values(r, [i])[0])
     real, prev, gen, gen1, real_vals = map(np.stack, (real, prev, gen, gen1, real_vals))
+    kinds = [motion(targets[k][0].actions[targets[k][1] - 1], p, x) for k, p, x in zip(pick, prev, real, strict=True)]
     ae_ev = evaluate_autoencoder(ckpt.ae, real, real_vals)
     sb = ckpt.game.hud  # no status bar to read without the HUD
     sb_real = statusbar_ok(real, real_vals) if sb else None
@@ -177,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "tf_psnr_nocfg": M.psnr(gen1, real),
         "tf_ssim": M.ssim(gen, real),
         "tf_sharpness": M.sharpness(gen, real),
+        "tf_by_motion": by_motion(kinds, gen, prev, real),
         "copy_last_psnr": M.psnr(prev, real),
         "copy_last_ssim": M.ssim(prev, real),
         "mean_frame_psnr": M.psnr(np.broadcast_to(mean_frame, real.shape), real),
@@ -241,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             ("autoencoder ceiling PSNR", report["ae_psnr"]),
             ("status bar PSNR: model / autoencoder", f"{report['hud_psnr']:.2f} / {report['ae_hud_psnr']:.2f}"),
             ("sharpness: teacher-forced / autoencoder", f"{report['tf_sharpness']:.2f} / {report['ae_sharpness']:.2f}"),
+            ("teacher-forced PSNR / copy-last by step: " + ", ".join(report["tf_by_motion"]),
+             ", ".join(f"{v['psnr']:.2f} / {v['copy_last_psnr']:.2f} (n={v['n']})"
+                       for v in report["tf_by_motion"].values())),
             ("status bar read right: real / autoencoder / teacher-forced",
              " / ".join(_fmt(report[k]) for k in ("real_statusbar_acc", "ae_statusbar_acc", "tf_statusbar_acc"))),
             ("status bar read right: autoregressive, all steps: model / copy-last",
