@@ -76,8 +76,8 @@ class AutoencoderConfig:
 @dataclass(frozen=True)
 class DenoiserConfig:
     context: int = 64  # N past frames (and N+1 actions) in the engine's ring
-    reads: int = 0  # how many of the newest ring frames conv_in reads (0 = all N); the actions stay N+1
-    target: str = "frame"  # "frame": diffuse the next latent; "delta": its change from the last seen frame
+    reads: int = 8  # how many of the newest ring frames conv_in reads (0 = all N); the actions stay N+1
+    target: str = "delta"  # "frame": diffuse the next latent; "delta": its change from the last seen frame
     delta_scale: float = 1.0  # std of latent changes, measured on the data ("delta" target only)
     action_embed: bool = False  # the current action also through the time embedding (scale/shift of every
     # norm, as DIAMOND does), besides cross-attention, so the model cannot ignore it

@@ -46,7 +46,7 @@ def class_dim(cfg: DenoiserConfig) -> int:
 
 
 def frames_read(cfg: DenoiserConfig) -> int:
-    return cfg.reads or cfg.context
+    return min(cfg.reads, cfg.context) if cfg.reads else cfg.context
 
 
 def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:

@@ -80,7 +80,7 @@ def tiny_dataset(tmp_path_factory):
     return out
 
 
-TINY_DENOISER = dict(context=4, block_out_channels=(8, 16), attention_heads=2, cross_attention_dim=16)
+TINY_DENOISER = dict(context=4, block_out_channels=(8, 16), attention_heads=2, cross_attention_dim=16, target="frame")
 
 
 @pytest.fixture(scope="session")

@@ -230,12 +230,16 @@ def test_export_sets_the_shipped_guidance(tiny_run, tmp_path, capsys):
     assert "\n" not in err and "--guidance" in err and not (tmp_path / "bad").exists()
 
 
-def test_export_sets_the_deadband_that_play_then_uses(tiny_run, tmp_path):
+def test_export_sets_the_deadband_that_play_then_uses(tiny_run, tiny_checkpoint, tmp_path):
     out = tmp_path / "db"
     assert export.main(["--checkpoint", str(tiny_run / "checkpoint"), "--deadband", "0.3", "--out", str(out)]) == 0
     ck = Checkpoint(out)
     assert Checkpoint(tiny_run / "checkpoint").sampler_cfg.deadband == 0.0 and ck.sampler_cfg.deadband == 0.3
-    assert not ck.denoiser.delta and NeuralEngine(ck, compile=False).sampler.deadband == 0.0  # no change to drop
+    assert ck.denoiser.delta and NeuralEngine(ck, compile=False).sampler.deadband == 0.3  # the default: a delta model
+    frame = tmp_path / "frame"
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--deadband", "0.3", "--out", str(frame)]) == 0
+    assert not Checkpoint(frame).denoiser.delta
+    assert NeuralEngine(Checkpoint(frame), compile=False).sampler.deadband == 0.0  # a frame model: no change to drop
     kept = tmp_path / "kept"  # no --deadband: the checkpoint's own travels on
     assert export.main(["--checkpoint", str(out), "--out", str(kept)]) == 0
     assert Checkpoint(kept).sampler_cfg.deadband == 0.3

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuraldoom.config import AutoencoderConfig, parse_args
+from neuraldoom.config import AutoencoderConfig, DenoiserConfig, parse_args
 from training import collect, evaluate, export, train_autoencoder, train_diffusion
 
 
@@ -32,8 +32,8 @@ class Args:
     batch: int = 256  # denoiser batch
     lr: float = 3e-4  # denoiser learning rate
     max_frames: int = 0  # frames encoded for the denoiser (0 = all)
-    target: str = "delta"
-    reads: int = 0
+    target: str = DenoiserConfig.target
+    reads: int = DenoiserConfig.reads
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     latent_channels: int = AutoencoderConfig.latent_channels
     grad_weight: float = 0.5
