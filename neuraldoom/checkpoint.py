@@ -232,7 +232,7 @@ class Checkpoint:
             d = self.path / "students" / str(steps)
             unet = load_model_dir(UNet2DConditionModel, d / "unet")
             enc = load_model_dir(ActionEncoder, d / "action_encoder")
-            keys = ("in_channels", "out_channels", "block_out_channels", "cross_attention_dim", "class_embed_type")
+            keys = ("in_channels", "out_channels", "block_out_channels", "cross_attention_dim", "time_cond_proj_dim")
             if any(unet.config.get(k) != self.denoiser.unet.config.get(k) for k in keys):
                 raise CheckpointError(f"{d}: its unet is not the teacher's architecture")
             self._student_models[steps] = Denoiser(unet, enc, self.denoiser_cfg).eval()

@@ -79,8 +79,8 @@ class DenoiserConfig:
     reads: int = 8  # how many of the newest ring frames conv_in reads (0 = all N); the actions stay N+1
     target: str = "delta"  # "frame": diffuse the next latent; "delta": its change from the last seen frame
     delta_scale: float = 1.0  # std of latent changes, measured on the data ("delta" target only)
-    action_embed: bool = False  # the current action also through the time embedding (scale/shift of every
-    # norm, as DIAMOND does), besides cross-attention, so the model cannot ignore it
+    action_embed: bool = False  # the current action also through the time embedding (a bias in every ResNet
+    # block, as DIAMOND conditions on actions), besides cross-attention, so the model cannot ignore it
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

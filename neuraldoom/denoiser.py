@@ -41,8 +41,9 @@ class ActionEncoder(ModelMixin, ConfigMixin):
         return self.norm(tok + self.position[-codes.shape[1]:])
 
 
-def class_dim(cfg: DenoiserConfig) -> int:
-    return cfg.noise_buckets + A.NUM_BUTTONS + A.NUM_TURNS
+def action_dim() -> int:
+    """Width of the current action as the time embedding reads it: button bits, then a turn one-hot."""
+    return A.NUM_BUTTONS + A.NUM_TURNS
 
 
 def frames_read(cfg: DenoiserConfig) -> int:
@@ -51,10 +52,10 @@ def frames_read(cfg: DenoiserConfig) -> int:
 
 def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:
     n = len(cfg.block_out_channels)
-    # class embedding: the noise bucket alone (a lookup), or [bucket one-hot, buttons, turn one-hot] projected
-    classes = (dict(class_embed_type="projection", projection_class_embeddings_input_dim=class_dim(cfg))
-               if cfg.action_embed else dict(num_class_embeds=cfg.noise_buckets))
-    return UNet2DConditionModel(
+    # the current action joins the timestep through diffusers' `timestep_cond` (a linear map added to the
+    # sinusoidal timestep features): every ResNet block then sees it, as DIAMOND conditions on actions
+    action = dict(time_cond_proj_dim=action_dim()) if cfg.action_embed else {}
+    unet = UNet2DConditionModel(
         sample_size=latent_hw,
         in_channels=latent_channels * (frames_read(cfg) + 1),
         out_channels=latent_channels,
@@ -65,10 +66,14 @@ def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, 
         layers_per_block=cfg.layers_per_block,
         attention_head_dim=cfg.attention_heads,  # diffusers' legacy name: it sets the number of heads
         cross_attention_dim=cfg.cross_attention_dim,
-        **classes,
+        num_class_embeds=cfg.noise_buckets,
+        **action,
         only_cross_attention=cfg.only_cross_attention,
         norm_num_groups=math.gcd(32, *cfg.block_out_channels),  # 32 where the widths allow (SD's), else fewer
     )
+    if cfg.action_embed:  # zero: the model starts as it would without it, so a trained one can take it on
+        nn.init.zeros_(unet.time_embedding.cond_proj.weight)
+    return unet
 
 
 class Denoiser(nn.Module):
@@ -83,8 +88,7 @@ class Denoiser(nn.Module):
         self.reads = frames_read(cfg)
         self.delta = cfg.target == "delta"
         self.delta_scale = float(cfg.delta_scale)
-        self.action_embed = unet.config.class_embed_type == "projection"
-        self.buckets = cfg.noise_buckets
+        self.action_embed = unet.config.time_cond_proj_dim is not None
 
     # The diffused variable. "delta" predicts the change from the last context frame as the model saw it
     # (noise-augmented in training), so an unsure model falls back to holding that frame, not to the
@@ -104,13 +108,13 @@ class Denoiser(nn.Module):
         # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int
         x = torch.cat([noisy, context[:, -self.reads:].flatten(1, 2)], 1)  # (B, C*(reads+1), h, w)
         tokens = self.action_encoder(actions)  # (B, N+1, D)
-        labels = bucket
-        if self.action_embed:  # (B, buckets + buttons + turns): the noise level and the current action
+        cond = None
+        if self.action_embed:  # (B, buttons + turns): the current action
             now = actions[:, -1]
             bits = (now[:, :1] >> torch.arange(A.NUM_BUTTONS, device=now.device)) & 1
-            labels = torch.cat([F.one_hot(bucket, self.buckets), bits, F.one_hot(now[:, 1], A.NUM_TURNS)], 1)
-            labels = labels.to(noisy.dtype)
-        return self.unet(x, t, encoder_hidden_states=tokens, class_labels=labels, return_dict=False)[0]
+            cond = torch.cat([bits, F.one_hot(now[:, 1], A.NUM_TURNS)], 1).to(noisy.dtype)
+        return self.unet(x, t, encoder_hidden_states=tokens, class_labels=bucket, timestep_cond=cond,
+                         return_dict=False)[0]
 
 
 def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> Denoiser:

@@ -312,20 +312,36 @@ def test_action_embedding_makes_the_current_action_change_the_output():
     from dataclasses import replace
 
     m = build_denoiser(replace(DenoiserConfig(**TINY_DENOISER), action_embed=True), 4, (16, 20)).eval()
-    assert m.unet.config.class_embed_type == "projection"
+    assert m.action_embed and not m.unet.time_embedding.cond_proj.weight.any()  # starts as a no-op
     g = torch.Generator().manual_seed(0)
     x, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
     codes = torch.zeros(1, 5, 2, dtype=torch.long)
     with torch.no_grad():
-        # cross-attention off: the class embedding alone must carry the current action
+        # cross-attention off: the time embedding alone must carry the current action
         for blk in m.unet.modules():
             if blk.__class__.__name__ == "Attention" and blk.is_cross_attention:
                 blk.to_out[0].weight.zero_()
-        torch.nn.init.normal_(m.unet.class_embedding.linear_1.weight)
+        torch.nn.init.normal_(m.unet.time_embedding.cond_proj.weight)
         a = m(x, torch.tensor([500]), ctx, codes, torch.tensor([0]))
         codes[0, -1] = torch.tensor([A.Action.of("MOVE_FORWARD").buttons, 1])
         b = m(x, torch.tensor([500]), ctx, codes, torch.tensor([0]))
     assert not torch.allclose(a, b)
+
+
+def test_the_action_path_grafts_onto_a_trained_denoiser_without_changing_it():
+    from dataclasses import replace
+
+    cfg = DenoiserConfig(**TINY_DENOISER)
+    plain = build_denoiser(cfg, 4, (16, 20)).eval()
+    grafted = build_denoiser(replace(cfg, action_embed=True), 4, (16, 20)).eval()
+    missing, unexpected = grafted.load_state_dict(plain.state_dict(), strict=False)
+    assert missing == ["unet.time_embedding.cond_proj.weight"] and not unexpected
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(2, 4, 16, 20, generator=g), torch.tensor([999, 249]),
+            torch.randn(2, 4, 4, 16, 20, generator=g), torch.randint(0, 7, (2, 5, 2), generator=g),
+            torch.tensor([0, 3]))
+    with torch.no_grad():
+        torch.testing.assert_close(grafted(*args), plain(*args))
 
 
 def test_closing_the_engine_stops_a_background_compile(tiny_checkpoint, tmp_path, monkeypatch):

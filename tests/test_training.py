@@ -254,6 +254,16 @@ def test_continued_training_keeps_the_checkpoints_guidance(tiny_checkpoint, tiny
     assert Checkpoint(out / "checkpoint").sampler_cfg.cfg == 2.0
 
 
+def test_continued_training_can_take_on_the_action_path(tiny_checkpoint, tiny_dataset, tmp_path):
+    out = tmp_path / "aemb"
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
+                                 "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
+                                 "--action-embed"]) == 0
+    ck = Checkpoint(out / "checkpoint")
+    assert ck.denoiser_cfg.action_embed and ck.denoiser.action_embed
+    assert ck.denoiser.unet.time_embedding.cond_proj.weight.any()  # trained away from its zero start
+
+
 def test_bench_prints_the_table_and_the_summary_line(tiny_checkpoint, capsys):
     from neuraldoom import bench
 

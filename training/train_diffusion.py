@@ -190,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1 or not 0 <= a.own_frames <= 1:
             raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}), --clean-share and "
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
-        dcfg = init.denoiser_cfg if init else replace(
-            DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
-            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim, reads=a.reads,
-            target=a.target, action_embed=a.action_embed)
+        if init:  # a continued checkpoint keeps its architecture; --action-embed may graft the action path on
+            dcfg = replace(init.denoiser_cfg, action_embed=init.denoiser_cfg.action_embed or a.action_embed)
+        else:
+            dcfg = replace(DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
+                           attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim,
+                           reads=a.reads, target=a.target, action_embed=a.action_embed)
         data = Path(a.data)
         game = Recording(find_recordings(data / "train")[0]).game
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
@@ -209,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     if dcfg.target == "delta" and init is None:  # unit-variance target: the std of one step's change
         dcfg = replace(dcfg, delta_scale=round(float(train.step_change_std()), 4))
     model = build_denoiser(dcfg, ae.config.latent_channels, hw)
-    if init is not None:
-        model.load_state_dict(init.denoiser.state_dict())
+    if init is not None:  # strict but for the action's zero map, when --action-embed grafts it on
+        missing, unexpected = model.load_state_dict(init.denoiser.state_dict(), strict=False)
+        if unexpected or set(missing) - {"unet.time_embedding.cond_proj.weight"}:
+            print(f"train_diffusion: {a.init_from}: its weights do not fit (missing {missing}, unexpected "
+                  f"{unexpected})", file=sys.stderr)
+            return 2
     try:
         opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.01)
     except CheckpointError as e:
