@@ -81,6 +81,11 @@ class DenoiserConfig:
     delta_scale: float = 1.0  # std of latent changes, measured on the data ("delta" target only)
     action_embed: bool = False  # the current action also through the time embedding (a bias in every ResNet
     # block, as DIAMOND conditions on actions), besides cross-attention, so the model cannot ignore it
+    turn_warp: tuple[float, ...] = ()  # degrees the view turns in one step, per turn bucket (empty = off): the
+    # last frame, turned by the current action as a pinhole camera turns, is the reference of the change and
+    # what conv_in reads, so the model corrects a turned view instead of redrawing it (denoiser.turn_grids)
+    warp_rows: int = 0  # latent rows of the 3D view (the status bar and padding below are not turned)
+    fov: float = 90.0  # the game's horizontal field of view, degrees (ViZDoom's default)
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,8 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from torch import nn
 
 from . import actions as A
-from .config import DenoiserConfig
+from . import metrics as M
+from .config import DenoiserConfig, GameConfig
 
 
 class ActionEncoder(ModelMixin, ConfigMixin):
@@ -48,6 +50,36 @@ def action_dim() -> int:
 
 def frames_read(cfg: DenoiserConfig) -> int:
     return min(cfg.reads, cfg.context) if cfg.reads else cfg.context
+
+
+def turn_grids(degrees: tuple[float, ...], fov: float, rows: int, hw: tuple[int, int]) -> torch.Tensor:
+    """(len(degrees), h, w, 2) `grid_sample` grids (align_corners=False) that turn a latent frame's top `rows`
+    rows as a pinhole camera turning by each angle sees it (positive = right: the view's content moves left).
+    A turn about the vertical axis maps image points independently of depth (a homography), so the walls a
+    turn keeps in view are exactly where this puts them; what enters at the edge is the border repeated. The
+    rows below (status bar, padding) stay put. The horizon is the middle of the view rows, as in DOOM."""
+    h, w = hw
+    f = (w / 2) / math.tan(math.radians(fov) / 2)  # focal length in latent cells
+    cy = rows / 2
+    v, u = torch.meshgrid(torch.arange(h, dtype=torch.float64) + 0.5 - cy,
+                          torch.arange(w, dtype=torch.float64) + 0.5 - w / 2, indexing="ij")
+    view = (torch.arange(h) < rows)[:, None]
+    grids = []
+    for deg in degrees:
+        th = math.radians(deg)
+        x = u / f  # each output cell's ray, turned back into the last frame's camera
+        depth = (-x * math.sin(th) + math.cos(th)).clamp(min=1e-3)
+        us = torch.where(view, f * (x * math.cos(th) + math.sin(th)) / depth, u)
+        vs = torch.where(view, v / depth, v)
+        grids.append(torch.stack([(us + w / 2) / w * 2 - 1, (vs + cy) / h * 2 - 1], -1))
+    return torch.stack(grids).float()
+
+
+def warp_settings(game: GameConfig, factor: int) -> dict[str, Any]:
+    """DenoiserConfig's turn_warp and warp_rows for a game: each turn bucket's degrees per tic times the tics
+    of one step, and the latent rows (of `factor` pixels) wholly above the status bar, or the whole frame."""
+    view = M.hud_top(game.height) if game.hud else game.height
+    return {"turn_warp": tuple(d * game.frame_skip for d in A.TURN_BUCKETS), "warp_rows": view // factor}
 
 
 def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:
@@ -89,10 +121,23 @@ class Denoiser(nn.Module):
         self.delta = cfg.target == "delta"
         self.delta_scale = float(cfg.delta_scale)
         self.action_embed = unet.config.time_cond_proj_dim is not None
+        hw = tuple(unet.config.sample_size)
+        # not persistent: derived from the config, so checkpoints with and without it share one state dict
+        self.register_buffer("grids", turn_grids(tuple(cfg.turn_warp), cfg.fov, cfg.warp_rows, hw)
+                             if cfg.turn_warp else None, persistent=False)
 
-    # The diffused variable. "delta" predicts the change from the last context frame as the model saw it
-    # (noise-augmented in training), so an unsure model falls back to holding that frame, not to the
-    # dataset's mean frame; the reference is the conditional context's, also for the unguided pass.
+    def reference(self, context: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """The last context frame (B,C,h,w), turned by the current action when the model warps turns."""
+        last = context[:, -1]
+        if self.grids is None:
+            return last
+        grid = self.grids[actions[:, -1, 1]].to(last.dtype)
+        return F.grid_sample(last, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+    # The diffused variable. "delta" predicts the change from the reference (the last context frame as
+    # the model saw it, turned by the current action if it warps turns), so an unsure model falls back to
+    # holding that frame, not to the dataset's mean frame; the reference is the conditional context's, also
+    # for the unguided pass.
     def to_target(self, z: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         return (z - last) / self.delta_scale if self.delta else z
 
@@ -106,6 +151,8 @@ class Denoiser(nn.Module):
     def forward(self, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor, actions: torch.Tensor,
                 bucket: torch.Tensor) -> torch.Tensor:
         # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int
+        if self.grids is not None:  # conv_in reads the newest frame as turned by the current action
+            context = torch.cat([context[:, -self.reads:-1], self.reference(context, actions)[:, None]], 1)
         x = torch.cat([noisy, context[:, -self.reads:].flatten(1, 2)], 1)  # (B, C*(reads+1), h, w)
         tokens = self.action_encoder(actions)  # (B, N+1, D)
         cond = None

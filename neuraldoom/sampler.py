@@ -107,7 +107,7 @@ class DDIMSampler(nn.Module):
         conditional one runs here: the same calls, so the same numbers as without it. `batched`: both
         passes as one batch-2 call instead (faster on one core; other numbers, by float rounding)."""
         x = x0 = noise
-        last = context[:, -1]  # the reference of a "delta" target
+        last = self.denoiser.reference(context, codes)  # the reference of a "delta" target
         empty = torch.zeros_like(context) if self.guided else None  # the dropped context, same actions
         if empty is not None and batched:
             pair, codes2 = torch.cat([context, empty]), torch.cat([codes, codes])

@@ -344,6 +344,49 @@ def test_the_action_path_grafts_onto_a_trained_denoiser_without_changing_it():
         torch.testing.assert_close(grafted(*args), plain(*args))
 
 
+def _warp_model(plain: bool = False):
+    from dataclasses import replace
+
+    cfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", delta_scale=0.5)
+    warp = dict(turn_warp=tuple(2 * d for d in A.TURN_BUCKETS), warp_rows=12)  # frame skip 2; 12 view rows
+    torch.manual_seed(0)
+    return build_denoiser(cfg if plain else replace(cfg, **warp), 4, (16, 20)).eval()
+
+
+def test_a_turn_warp_turns_the_view_and_leaves_the_status_bar():
+    m = _warp_model()
+    ctx = torch.zeros(1, 4, 4, 16, 20)
+    ctx[..., 10] = 1.0  # a wall edge at the middle column, also through the status-bar rows
+    codes = torch.full((1, 5, 2), A.NO_TURN, dtype=torch.long)
+    assert torch.equal(m.reference(ctx, codes), ctx[:, -1])  # no turn: the frame itself, exactly
+    cols = {}
+    for turn in (A.TURN_BUCKETS.index(8.0), A.TURN_BUCKETS.index(-8.0)):
+        codes[0, -1, 1] = turn
+        ref = m.reference(ctx, codes)
+        assert torch.equal(ref[..., 12:, :], ctx[:, -1, :, 12:])  # the status bar does not turn
+        cols[A.TURN_BUCKETS[turn]] = ref[0, 0, 6].argmax().item()
+    # 16 degrees with a 90-degree view 20 cells wide: 10 * tan(16°) = 2.9 cells at the middle
+    assert cols[8.0] in (7, 8) and cols[-8.0] in (12, 13)  # turning right moves the view's content left
+
+
+def test_the_warped_model_reads_and_keeps_the_turned_frame():
+    warped, plain = _warp_model(), _warp_model(plain=True)
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
+    codes = torch.full((1, 5, 2), A.NO_TURN, dtype=torch.long)
+    t, bucket = torch.tensor([500]), torch.tensor([0])
+    with torch.no_grad():
+        torch.testing.assert_close(warped(x, t, ctx, codes, bucket), plain(x, t, ctx, codes, bucket))
+        codes[0, -1, 1] = A.TURN_BUCKETS.index(-4.0)
+        turned = ctx.clone()
+        turned[:, -1] = warped.reference(ctx, codes)
+        torch.testing.assert_close(warped(x, t, ctx, codes, bucket), plain(x, t, turned, codes, bucket))
+        # the change is taken from the turned frame: with every predicted change dropped, play shows it
+        out = DDIMSampler(warped, 4, 1.5, deadband=1e9)(x, ctx, codes)
+    torch.testing.assert_close(out, turned[:, -1])
+    assert not torch.allclose(out, ctx[:, -1])
+
+
 def test_closing_the_engine_stops_a_background_compile(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("NEURALDOOM_CACHE", str(tmp_path / "cache"))
     eng = NeuralEngine(Checkpoint(tiny_checkpoint), compile=True, seed=0)

@@ -264,6 +264,20 @@ def test_continued_training_can_take_on_the_action_path(tiny_checkpoint, tiny_da
     assert ck.denoiser.unet.time_embedding.cond_proj.weight.any()  # trained away from its zero start
 
 
+def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_dataset, tmp_path):
+    from neuraldoom import actions as A
+
+    out = tmp_path / "warp"
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
+                                 "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
+                                 "--turn-warp"]) == 0
+    ck, before = Checkpoint(out / "checkpoint"), Checkpoint(tiny_checkpoint)
+    assert ck.denoiser_cfg.turn_warp == tuple(d * ck.game.frame_skip for d in A.TURN_BUCKETS)
+    assert 0 < ck.denoiser_cfg.warp_rows <= ck.denoiser.unet.config.sample_size[0]
+    assert ck.denoiser.state_dict().keys() == before.denoiser.state_dict().keys()  # the same weights, warped
+    assert ck.denoiser.grids is not None and before.denoiser.grids is None
+
+
 def test_bench_prints_the_table_and_the_summary_line(tiny_checkpoint, capsys):
     from neuraldoom import bench
 

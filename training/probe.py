@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def mean(c: torch.Tensor) -> torch.Tensor:
             v = den(noise, torch.full((len(ctx),), t0), ctx, c, bucket)
-            return den.from_target(a0**0.5 * noise - (1 - a0) ** 0.5 * v, last)
+            return den.from_target(a0**0.5 * noise - (1 - a0) ** 0.5 * v, den.reference(ctx, c))
 
         roll = torch.roll(torch.arange(len(ctx)), 1)
         swapped = codes.clone()

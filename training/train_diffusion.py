@@ -35,7 +35,7 @@ from neuraldoom.checkpoint import (
     save_checkpoint,
 )
 from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
-from neuraldoom.denoiser import Denoiser, build_denoiser
+from neuraldoom.denoiser import Denoiser, build_denoiser, warp_settings
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.sampler import DDIMSampler, denoiser_pass
 from training import latents as L
@@ -76,12 +76,14 @@ class Args:
     reads: int = DenoiserConfig.reads
     target: str = DenoiserConfig.target
     action_embed: bool = DenoiserConfig.action_embed
+    turn_warp: bool = False  # the last frame turned by the current action as the change's reference
+    # (DenoiserConfig.turn_warp from the game's frame skip and status bar); with --init-from, switches it on
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
 
 
-ARCHITECTURE = ("context", "reads", "target", "action_embed", "block_out_channels", "attention_heads",
+ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "block_out_channels", "attention_heads",
                 "cross_attention_dim")
 
 
@@ -107,15 +109,17 @@ def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
                    clean_share: float = 0.0, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The v-prediction loss of one batch. A "delta" target is taken against the last context frame as
-    the model sees it (`reference="seen"`: noise-augmented, so the target also asks it to remove that
-    noise) or as it was (`"clean"`: static content is exactly zero change at every noise level).
+    """The v-prediction loss of one batch. A "delta" target is taken against the reference (the last
+    context frame, turned by the current action when the model warps turns) as the model sees it
+    (`reference="seen"`: noise-augmented, so the target also asks it to remove that noise) or as it was
+    (`"clean"`: static content is exactly zero change at every noise level).
     row_weight (h,): per latent row, normalised to mean 1 (None: all rows alike)."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
-    clean_last = ctx[:, -1]
+    raw = getattr(model, "module", model)
+    clean_last = raw.reference(ctx, codes)
     ctx, bucket = noise_augment(ctx, cfg, gen, clean_share)
-    target = getattr(model, "module", model).to_target(target, clean_last if reference == "clean" else ctx[:, -1])
+    target = raw.to_target(target, clean_last if reference == "clean" else raw.reference(ctx, codes))
     drop = torch.rand(B, generator=gen) < dropout
     ctx = torch.where(drop.view(B, 1, 1, 1, 1), torch.zeros_like(ctx), ctx)
     eps = torch.randn(target.shape, generator=gen)
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_diffusion: {e}", file=sys.stderr)
         return 2
     hw = tuple(train.z.shape[-2:])
+    if a.turn_warp and not dcfg.turn_warp:
+        dcfg = replace(dcfg, **warp_settings(game, AE.downsampling(ae)))
     if dcfg.target == "delta" and init is None:  # unit-variance target: the std of one step's change
         dcfg = replace(dcfg, delta_scale=round(float(train.step_change_std()), 4))
     model = build_denoiser(dcfg, ae.config.latent_channels, hw)
