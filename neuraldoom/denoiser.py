@@ -132,7 +132,8 @@ class Denoiser(nn.Module):
         if self.grids is None:
             return last
         grid = self.grids[actions[:, -1, 1]].to(last.dtype)
-        return F.grid_sample(last, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        # bicubic: two bilinear warps there and back lose ~4 dB more of the decoded frame than bicubic ones
+        return F.grid_sample(last, grid, mode="bicubic", padding_mode="border", align_corners=False)
 
     # The diffused variable. "delta" predicts the change from the reference (the last context frame as
     # the model saw it, turned by the current action if it warps turns), so an unsure model falls back to
