@@ -73,6 +73,22 @@ def test_guidance_distillation_plays_as_the_default(tiny_checkpoint, tiny_datase
     assert rows[-1].startswith("fps=")
 
 
+def test_a_turn_warped_teachers_student_turns_its_reference_too(tiny_checkpoint, tiny_dataset, tmp_path):
+    from training import train_diffusion
+
+    warped = tmp_path / "warp"
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out",
+                                 str(warped), "--steps", "1", "--batch", "2", "--max-frames", "300",
+                                 "--turn-warp"]) == 0
+    out = tmp_path / "s4"
+    assert run(warped / "checkpoint", tiny_dataset, out, "--steps", "4", "--iterations", "2") == 0
+    ck = Checkpoint(out / "checkpoint")
+    assert ck.denoiser_cfg.turn_warp and ck.student(4).grids is not None
+    eng = NeuralEngine(ck, compile=False)
+    assert eng.student == 4
+    assert eng.step(A.Action.of("MOVE_FORWARD", turn=8.0)).shape == (120, 160, 3)
+
+
 def test_progressive_chain_then_export_gathers_students_of_one_teacher(tiny_checkpoint, tiny_dataset, tmp_path,
                                                                         capsys):
     p2, p1 = tmp_path / "p2", tmp_path / "p1"
