@@ -78,6 +78,8 @@ class Args:
     action_embed: bool = DenoiserConfig.action_embed
     turn_warp: bool = False  # the last frame turned by the current action as the change's reference
     # (DenoiserConfig.turn_warp from the game's frame skip and status bar); with --init-from, switches it on
+    # for a checkpoint without it (its weights unchanged). Off: it wins teacher-forced and over 128 steps but
+    # its free play blows up to noise within 500-1,000 steps (docs/EXPERIMENTS.md)
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
