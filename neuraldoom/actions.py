@@ -133,14 +133,17 @@ class StickyRandomPolicy:
     With `idle` > 0 a new action is, with that probability, standing still (NOOP) held with probability
     `idle_repeat` a step (0.95: ~1 s): players stand still, and a model that never saw a still view long
     enough to stop sliding lets a still scene dissolve. idle = 0 draws exactly as before.
+    turns=False: the same draws with every turn dropped (a player who only walks, strafes and fires: far
+    from the collection's three turning steps in four, the play a model must also survive).
     """
 
     def __init__(self, rng: np.random.Generator, repeat: float = 0.8, idle: float = 0.0,
-                 idle_repeat: float = 0.95) -> None:
+                 idle_repeat: float = 0.95, turns: bool = True) -> None:
         self.rng = rng
         self.repeat = repeat
         self.idle = idle
         self.idle_repeat = idle_repeat
+        self.turns = turns
         self.last = NOOP
         self.idling = False
 
@@ -164,5 +167,5 @@ class StickyRandomPolicy:
         if r() < 0.08:
             bits |= 32  # use (doors)
         turn = int(self.rng.choice(NUM_TURNS, p=[0.1, 0.15, 0.1, 0.3, 0.1, 0.15, 0.1]))
-        self.last = Action(bits, turn)
+        self.last = Action(bits, turn if self.turns else NO_TURN)
         return self.last

@@ -116,3 +116,12 @@ def test_sticky_random_policy_idles_in_long_still_runs_and_idle_zero_draws_as_be
     assert 0.25 < still < 0.6  # 0.15 x 20 steps against 0.85 x 5: about 40% of the steps
     assert np.mean(runs) > 10  # held ~1 s, long enough for the view to stop sliding
     assert sum(x == A.NOOP for x in plain) / 4000 < 0.1
+
+
+def test_sticky_random_policy_without_turns_is_the_same_play_without_turning():
+    turning = A.StickyRandomPolicy(np.random.default_rng(3), repeat=0.8)
+    straight = A.StickyRandomPolicy(np.random.default_rng(3), repeat=0.8, turns=False)
+    a, b = [turning() for _ in range(2000)], [straight() for _ in range(2000)]
+    assert all(x.turn == A.NO_TURN for x in b)
+    assert [x.buttons for x in a] == [x.buttons for x in b]  # the same draws: only the turn is dropped
+    assert sum(x.turn != A.NO_TURN for x in a) > 1000  # the collection turns most steps

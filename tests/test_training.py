@@ -296,7 +296,7 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
 
 
 @pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"],
-                                   ["--event-share", "1.5"]])
+                                   ["--event-share", "1.5"], ["--drift", "-1"], ["--drift-share", "2"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
@@ -326,6 +326,50 @@ def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):
     assert loss(torch.full((h,), 3.0)) == pytest.approx(plain, rel=1e-6)  # normalised: a uniform weight is none
     hud = loss(1 + 9 * train_diffusion.hud_rows(h, 8, 120).float())
     assert hud != pytest.approx(plain, rel=1e-3)
+
+
+def test_drift_offsets_are_smooth_casts_on_a_share_of_the_batch():
+    g = torch.Generator().manual_seed(0)
+    assert not train_diffusion.drift_offsets((8, 4, 16, 20), 0.5, 0.0, g).any()
+    off = train_diffusion.drift_offsets((256, 4, 16, 20), 0.5, 0.5, g)
+    moved = off.flatten(1).abs().amax(1) > 0
+    assert 0.35 < moved.float().mean() < 0.65
+    assert off.abs().amax() < 0.5 * 4  # a few stds of N(0, 1) at most
+    # smooth: neighbouring cells differ far less than the offset itself
+    assert (off[..., 1:] - off[..., :-1]).abs().mean() < 0.1 * off[moved].abs().mean()
+
+
+def test_drift_enters_the_context_and_the_reference_alike(tiny_checkpoint):
+    from diffusers import DDPMScheduler
+
+    from dataclasses import replace
+
+    from neuraldoom.denoiser import Denoiser
+
+    ck = Checkpoint(tiny_checkpoint)
+    cfg = replace(ck.denoiser_cfg, target="delta", delta_scale=0.4)
+    den = Denoiser(ck.denoiser.unet, ck.denoiser.action_encoder, cfg).eval()
+    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction")
+    g = torch.Generator().manual_seed(0)
+    C, h, w = 4, 16, 20
+    target = torch.randn(2, C, h, w, generator=g)
+    ctx = torch.randn(2, den.context, C, h, w, generator=g)
+    codes = torch.randint(0, 7, (2, den.context + 1, 2), generator=g)
+
+    def loss(batch, **kw):
+        with torch.no_grad():
+            return float(train_diffusion.diffusion_loss(den, sched, batch, cfg, 0.0, gen, torch.device("cpu"),
+                                                        "clean", **kw))
+
+    gen = torch.Generator().manual_seed(1)
+    drifted = loss((target, ctx, codes), drift=0.5, drift_share=1.0)
+    gen = torch.Generator().manual_seed(1)
+    off = train_diffusion.drift_offsets(target.shape, 0.5, 1.0, gen)
+    # the same draws by hand: an offset context whose target is the real next frame (the change and the way back)
+    assert drifted == pytest.approx(loss((target, ctx + off[:, None], codes)), rel=1e-6)
+    gen = torch.Generator().manual_seed(1)
+    train_diffusion.drift_offsets(target.shape, 0.5, 1.0, gen)
+    assert drifted != pytest.approx(loss((target + off, ctx + off[:, None], codes)), rel=1e-3)
 
 
 def test_the_status_bar_events_are_the_rows_whose_numbers_change(tiny_ae, tiny_dataset, tmp_path):
@@ -411,6 +455,14 @@ def test_rollout_strip_writes_the_shown_steps(tiny_checkpoint, tmp_path, capsys)
     assert Image.open(out).size == (3 * 160, 120)
     assert "0, 3, 6" in capsys.readouterr().out
     assert rollout_strip.main(["--checkpoint", str(tmp_path / "none"), "--out", str(out)]) == 2
+    straight = tmp_path / "straight.png"
+    assert rollout_strip.main(["--checkpoint", str(tiny_checkpoint), "--out", str(straight), "--steps", "6",
+                               "--show", "0", "3", "6", "--policy", "straight"]) == 0
+    assert Image.open(straight).size == (3 * 160, 120)
+    capsys.readouterr()
+    assert rollout_strip.main(["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--policy", "drunk"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--policy" in err
 
 
 def test_diffusion_trains_with_no_warmup(tiny_ae, tiny_dataset, tmp_path):

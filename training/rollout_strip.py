@@ -3,7 +3,8 @@
     python -m training.rollout_strip --checkpoint checkpoints/e1m1 --out docs/rollout_1000.png
 
 Starts from the checkpoint's own starting context (as `python main.py` does), plays --steps steps of
-sticky-random actions (the collection policy, seeded) and writes a strip of the frames at the --show
+sticky-random actions (seeded: --policy sticky is the collection's policy, straight the same draws without
+a turn, idle the collection's play that also stands still) and writes a strip of the frames at the --show
 steps (left to right; step 0 is the last real context frame). It prints each shown frame's gradient
 energy relative to that real frame: far below 1 is the melt into mush, far above 1 is noise.
 """
@@ -23,6 +24,8 @@ from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import parse_args
 from neuraldoom.engine import NeuralEngine
 
+POLICIES = {"sticky": {}, "straight": {"turns": False}, "idle": {"idle": 0.15}}
+
 
 @dataclass(frozen=True)
 class Args:
@@ -31,6 +34,7 @@ class Args:
     steps: int = 1000
     show: tuple[int, ...] = (0, 10, 25, 50, 100, 250, 500, 1000)  # the steps shown (0 = the last context frame)
     seed: int = 0
+    policy: str = "sticky"  # sticky | straight | idle
     scale: int = 1
     compile: bool = False
     threads: int = 1
@@ -40,12 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     torch.set_num_threads(a.threads)
     out = Path(a.out)
+    if a.policy not in POLICIES:
+        print(f"rollout_strip: --policy must be one of {', '.join(POLICIES)}, got {a.policy!r}", file=sys.stderr)
+        return 2
     try:
         eng = NeuralEngine(Checkpoint(a.checkpoint), compile=a.compile, seed=a.seed, wait_compile=True)
     except CheckpointError as e:
         print(f"rollout_strip: {e}", file=sys.stderr)
         return 2
-    policy = A.StickyRandomPolicy(np.random.default_rng(a.seed))
+    policy = A.StickyRandomPolicy(np.random.default_rng(a.seed), **POLICIES[a.policy])
     frames = {0: eng.reset(a.seed)}
     sharp = []
     first = frames[0]

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderTiny, DDPMScheduler
 
 from neuraldoom import actions as A
@@ -64,6 +65,11 @@ class Args:
     # the clean reference, what keeps long rollouts from carrying their errors on; 0.5 measured worse)
     hud_weight: float = 1.0  # loss weight of the latent rows under the status bar: it is game state that
     # barely changes, and an unsure model's small errors there smear its digits within a few steps of play
+    drift: float = 0.0  # largest low-frequency offset (latent units) added to the context of a --drift-share of
+    # samples, the change's reference included, so the target carries the way back: long free play drifts
+    # slowly off the data's colours (a channel's mean wanders by several stds over ~500 steps, then the view
+    # blows out), and the white noise of the augmentation never shows the model a drifted context
+    drift_share: float = 0.5
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (latents.status_events): random play spends ammo in 5% of its steps, and the model never drew it
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
@@ -101,6 +107,17 @@ def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator,
     return noisy, bucket
 
 
+def drift_offsets(shape: tuple[int, ...], scale: float, share: float, gen: torch.Generator) -> torch.Tensor:
+    """(B,C,h,w): for a `share` of the samples, a smooth offset of amplitude ~ U[0, scale]: half a per-channel
+    constant, half a bilinear field from a 3x4 grid (play's drift is a colour cast that wanders over the
+    view); zero for the rest."""
+    B, C, h, w = shape
+    amp = torch.rand(B, generator=gen) * scale * (torch.rand(B, generator=gen) < share)
+    dc = torch.randn(B, C, 1, 1, generator=gen)
+    field = F.interpolate(torch.randn(B, C, 3, 4, generator=gen), size=(h, w), mode="bilinear", align_corners=False)
+    return amp.view(B, 1, 1, 1) * (dc + field) / 2**0.5
+
+
 def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
     """(latent_h,) bool: the latent rows (each `factor` pixel rows) that draw the status bar, not the
     padding rows below the frame."""
@@ -110,15 +127,19 @@ def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
 
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
-                   clean_share: float = 0.0, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+                   clean_share: float = 0.0, row_weight: torch.Tensor | None = None, drift: float = 0.0,
+                   drift_share: float = 0.0) -> torch.Tensor:
     """The v-prediction loss of one batch. A "delta" target is taken against the reference (the last
     context frame, turned by the current action when the model warps turns) as the model sees it
     (`reference="seen"`: noise-augmented, so the target also asks it to remove that noise) or as it was
     (`"clean"`: static content is exactly zero change at every noise level).
-    row_weight (h,): per latent row, normalised to mean 1 (None: all rows alike)."""
+    row_weight (h,): per latent row, normalised to mean 1 (None: all rows alike). drift: see drift_offsets;
+    the offset is on every context frame and on the reference, so the target is the change plus the way back."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
     raw = getattr(model, "module", model)
+    if drift and drift_share:
+        ctx = ctx + drift_offsets(target.shape, drift, drift_share, gen)[:, None]
     clean_last = raw.reference(ctx, codes)
     ctx, bucket = noise_augment(ctx, cfg, gen, clean_share)
     target = raw.to_target(target, clean_last if reference == "clean" else raw.reference(ctx, codes))
@@ -193,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--hud-weight must be > 0, not {a.hud_weight}")
         if not 0 <= a.event_share <= 1:
             raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
+        if a.drift < 0 or not 0 <= a.drift_share <= 1:
+            raise CheckpointError(f"--drift must be >= 0 and --drift-share within [0, 1] (not {a.drift}, "
+                                  f"{a.drift_share})")
         if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1 or not 0 <= a.own_frames <= 1:
             raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}), --clean-share and "
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
@@ -265,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
-                 "hud_weight": a.hud_weight, "event_share": a.event_share}
+                 "hud_weight": a.hud_weight, "event_share": a.event_share, "drift": a.drift,
+                 "drift_share": a.drift_share}
         sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
@@ -281,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
-                              a.clean_share, row_weight)
+                              a.clean_share, row_weight, a.drift, a.drift_share)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
