@@ -6,7 +6,8 @@ Starts from the checkpoint's own starting context (as `python main.py` does), pl
 sticky-random actions (seeded: --policy sticky is the collection's policy, straight the same draws without
 a turn, idle the collection's play that also stands still) and writes a strip of the frames at the --show
 steps (left to right; step 0 is the last real context frame). It prints each shown frame's gradient
-energy relative to that real frame: far below 1 is the melt into mush, far above 1 is noise.
+energy relative to that real frame (far below 1 is the melt into mush, far above 1 is noise) and the mean
+colour of its view (above the status bar): a drift into a colour cast, a white or a dark screen shows there.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         f = eng.step(policy())
         if t in a.show:
             frames[t] = f
-            sharp.append(f"{t}: {M.sharpness(f[None], first[None]):.2f}")
+            rgb = f[:M.hud_top(f.shape[0])].reshape(-1, 3).mean(0)
+            sharp.append(f"{t}: {M.sharpness(f[None], first[None]):.2f} (rgb {','.join(f'{c:.0f}' for c in rgb)})")
     shown = [frames[t] for t in a.show if t in frames]
     strip = np.concatenate(shown, 1)
     from PIL import Image
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     img.save(tmp)
     tmp.replace(out)
     print(f"rollout_strip: steps {', '.join(str(t) for t in a.show if t in frames)} -> {out}; "
-          f"gradient energy vs the start frame: {'; '.join(sharp)}")
+          f"gradient energy vs the start frame (view colour): {'; '.join(sharp)}")
     return 0
 
 
