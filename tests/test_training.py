@@ -340,9 +340,9 @@ def test_drift_offsets_are_smooth_casts_on_a_share_of_the_batch():
 
 
 def test_drift_enters_the_context_and_the_reference_alike(tiny_checkpoint):
-    from diffusers import DDPMScheduler
-
     from dataclasses import replace
+
+    from diffusers import DDPMScheduler
 
     from neuraldoom.denoiser import Denoiser
 

@@ -69,7 +69,7 @@ class Args:
     # samples, the change's reference included, so the target carries the way back: long free play drifts
     # slowly off the data's colours (a channel's mean wanders by several stds over ~500 steps, then the view
     # blows out), and the white noise of the augmentation never shows the model a drifted context
-    drift_share: float = 0.5
+    drift_share: float = 0.25  # the best trade of 0.1 / 0.25 / 0.5 at 40 minutes (docs/EXPERIMENTS.md)
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (latents.status_events): random play spends ammo in 5% of its steps, and the model never drew it
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
