@@ -168,8 +168,15 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     out = tmp_path / "eval"
     assert evaluate.main(["--checkpoint", str(tiny_run / "checkpoint"), "--data", str(tiny_dataset),
                           "--out", str(out), "--samples", "4", "--rollouts", "2", "--rollout-steps", "5",
-                          "--still", "2", "--still-steps", "3"]) == 0
+                          "--still", "2", "--still-steps", "3", "--free-steps", "4"]) == 0
     rep = json.loads((out / "report.json").read_text())
+    assert rep["free_steps"] == [1, 2, 3, 4]
+    assert sorted(rep["free"]) == ["sticky/0", "sticky/1", "straight/0", "straight/1"]
+    for run in rep["free"].values():
+        assert len(run["sharpness"]) == len(run["colour_cast"]) == 4 and all(x > 0 for x in run["sharpness"])
+    from PIL import Image
+
+    assert Image.open(out / "free.png").size == (5 * 160, 4 * 120)  # the start and 4 steps, a row per run
     assert rep["n_still"] == 2 and len(rep["still_psnr"]) == len(rep["still_sharpness"]) == 3
     assert isinstance(rep["still_ae_psnr"], float) and (out / "still.png").stat().st_size > 0
     for k in ("tf_psnr", "tf_psnr_nocfg", "tf_ssim", "copy_last_psnr", "mean_frame_psnr", "ae_psnr", "hud_psnr",
@@ -463,6 +470,20 @@ def test_rollout_strip_writes_the_shown_steps(tiny_checkpoint, tmp_path, capsys)
     assert rollout_strip.main(["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--policy", "drunk"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--policy" in err
+
+
+def test_colour_cast_reads_a_tinted_view_not_the_status_bar():
+    from neuraldoom.metrics import hud_top
+    from training.rollout_strip import colour_cast
+
+    grey = np.full((120, 160, 3), 60, np.uint8)
+    assert colour_cast(grey) == 0
+    red = grey.copy()
+    red[:hud_top(120), :, 0] = 150
+    assert colour_cast(red) == 90
+    bar = grey.copy()
+    bar[hud_top(120):, :, 0] = 255  # the status bar's red digits are not the view's colour
+    assert colour_cast(bar) == 0
 
 
 def test_diffusion_trains_with_no_warmup(tiny_ae, tiny_dataset, tmp_path):

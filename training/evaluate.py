@@ -22,6 +22,11 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
   length) and NOOP for --still-steps: the real game keeps showing that frame (only monsters and animated
   sprites move), so each generated frame is scored against it (still_psnr, still_sharpness per step;
   still_ae_psnr is the autoencoder's ceiling). OUT/still.png: the frame, then steps 1, 4, 16, 64.
+- free play (--free-steps N, off by default: ~4 minutes for 1,000): from the checkpoint's own start, N
+  steps of the straight and the sticky policy (training.rollout_strip), seeds 0 and 1, no real frames to
+  score against, so the frames at N/4, N/2, 3N/4 and N (free_steps) are measured against the start frame:
+  free[run].sharpness, gradient energy (far below 1: the melt, or a white or dark blow-out; far above 1:
+  noise) and free[run].colour_cast (rollout_strip.colour_cast: a red drift). OUT/free.png: one row per run.
 Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs.
 """
 
@@ -46,6 +51,7 @@ from neuraldoom.engine import NeuralEngine
 from neuraldoom.files import atomic_path, write_text
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.replay import check_compatible
+from training import rollout_strip as RS
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class Args:
     deadband: float = -1.0  # the sampler's deadband (SamplerConfig.deadband; -1 = the checkpoint's own)
     still: int = 4  # still views (0: none)
     still_steps: int = 64
+    free_steps: int = 0  # free play of this many steps (module doc); 0: none
     threads: int = 1
 
 
@@ -252,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "tf": _fields(sb_tf), "ar": None if sb_ar is None else _fields(sb_ar[alive])}
     report["n_rollouts"] = len(starts)
     report.update(still_views(eng, ckpt.ae, real[: a.still], a.still_steps, out))
+    report.update(free_runs(eng, a.free_steps, out))
     write_text(out / "report.json", json.dumps(report, indent=2))
     _plots(out, report, prev, real, gen, ar_real, ar_gen, alive)
 
@@ -281,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         if t <= len(report["still_psnr"]):
             rows.append((f"still view, step {t}: PSNR / sharpness (autoencoder {report['still_ae_psnr']:.2f})",
                          f"{report['still_psnr'][t - 1]:.2f} / {report['still_sharpness'][t - 1]:.2f}"))
+    for name, run in report["free"].items():
+        rows.append((f"free play {name}, steps {'/'.join(map(str, report['free_steps']))}: sharpness, colour cast",
+                     " / ".join(f"{x:.2f}" for x in run["sharpness"]) + ", " +
+                     " / ".join(f"{x:.0f}" for x in run["colour_cast"])))
     print(f"{'metric':<66} value  (n={report['n_samples']} held-out targets, {len(starts)} rollouts)")
     for k, v in rows:
         print(f"{k:<66} {v:.3f}" if isinstance(v, float) else f"{k:<66} {v}")
@@ -307,6 +319,27 @@ def still_views(eng: NeuralEngine, ae: Any, views: np.ndarray, T: int, out: Path
     return {"still_psnr": [M.psnr(gen[:, t], ref[:, t]) for t in range(T)],
             "still_sharpness": [M.sharpness(gen[:, t], ref[:, t]) for t in range(T)],
             "still_ae_psnr": evaluate_autoencoder(ae, views)["psnr"], "n_still": len(views)}
+
+
+def free_runs(eng: NeuralEngine, steps: int, out: Path) -> dict[str, Any]:
+    """Free play with the straight and sticky policies, seeds 0 and 1 (module doc)."""
+    from PIL import Image
+
+    if steps < 1:
+        return {"free_steps": [], "free": {}}
+    shown = sorted({max(1, steps * k // 4) for k in (1, 2, 3, 4)})
+    runs, rows = {}, []
+    for policy in ("straight", "sticky"):
+        for seed in (0, 1):
+            frames = RS.free_play(eng, policy, seed, steps, tuple(shown))
+            runs[f"{policy}/{seed}"] = {
+                "sharpness": [M.sharpness(frames[t][None], frames[0][None]) for t in shown],
+                "colour_cast": [RS.colour_cast(frames[t]) for t in shown],
+                "start_colour_cast": RS.colour_cast(frames[0])}
+            rows.append(np.concatenate([frames[t] for t in [0, *shown]], 1))
+    with atomic_path(out / "free.png") as tmp:
+        Image.fromarray(np.concatenate(rows, 0)).save(tmp)  # rows: straight 0, 1, sticky 0, 1
+    return {"free_steps": shown, "free": runs}
 
 
 def _fmt(v: float | None) -> str:

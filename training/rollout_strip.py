@@ -41,6 +41,31 @@ class Args:
     threads: int = 1
 
 
+def view_rgb(frame: np.ndarray) -> np.ndarray:
+    """(3,) the mean colour of a frame's view (above the status bar)."""
+    return frame[:M.hud_top(frame.shape[0])].reshape(-1, 3).mean(0)
+
+
+def colour_cast(frame: np.ndarray) -> float:
+    """How far the view's mean colour is from grey (its largest channel minus its smallest): DOOM's
+    damage tint grown over a whole view, the red drift of long free play, reads 40-90; E1M1's held-out views
+    read 6 at the median, 95% of them under 20."""
+    rgb = view_rgb(frame)
+    return float(rgb.max() - rgb.min())
+
+
+def free_play(eng: NeuralEngine, policy: str, seed: int, steps: int, show: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """Free play from the checkpoint's own start: `steps` steps of the seeded `policy` (a POLICIES key);
+    the frames at the `show` steps, in order, and always step 0 (the last real context frame)."""
+    draw = A.StickyRandomPolicy(np.random.default_rng(seed), **POLICIES[policy])
+    frames = {0: eng.reset(seed)}
+    for t in range(1, steps + 1):
+        f = eng.step(draw())
+        if t in show:
+            frames[t] = f
+    return frames
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     torch.set_num_threads(a.threads)
@@ -53,18 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"rollout_strip: {e}", file=sys.stderr)
         return 2
-    policy = A.StickyRandomPolicy(np.random.default_rng(a.seed), **POLICIES[a.policy])
-    frames = {0: eng.reset(a.seed)}
-    sharp = []
+    frames = free_play(eng, a.policy, a.seed, a.steps, a.show)
     first = frames[0]
-    for t in range(1, a.steps + 1):
-        f = eng.step(policy())
-        if t in a.show:
-            frames[t] = f
-            rgb = f[:M.hud_top(f.shape[0])].reshape(-1, 3).mean(0)
-            sharp.append(f"{t}: {M.sharpness(f[None], first[None]):.2f} (rgb {','.join(f'{c:.0f}' for c in rgb)})")
-    shown = [frames[t] for t in a.show if t in frames]
-    strip = np.concatenate(shown, 1)
+    sharp = [f"{t}: {M.sharpness(f[None], first[None]):.2f} (rgb {','.join(f'{c:.0f}' for c in view_rgb(f))})"
+             for t, f in frames.items() if t]
+    strip = np.concatenate([frames[t] for t in a.show if t in frames], 1)
     from PIL import Image
 
     img = Image.fromarray(strip)
