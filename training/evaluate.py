@@ -23,10 +23,11 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
   sprites move), so each generated frame is scored against it (still_psnr, still_sharpness per step;
   still_ae_psnr is the autoencoder's ceiling). OUT/still.png: the frame, then steps 1, 4, 16, 64.
 - free play (--free-steps N, off by default: 1,000 take ~12 minutes on one core): from the checkpoint's
-  own start, N steps of the straight and the sticky policy (training.rollout_strip), seeds 0 and 1, no real frames to
-  score against, so the frames at N/4, N/2, 3N/4 and N (free_steps) are measured against the start frame:
-  free[run].sharpness, gradient energy (far below 1: the melt, or a white or dark blow-out; far above 1:
-  noise) and free[run].colour_cast (rollout_strip.colour_cast: a red drift). OUT/free.png: one row per run.
+  own start, N steps of the straight and the sticky policy (training.rollout_strip), seeds 0 and 1. With
+  no real frames to score against, the frames at N/4, N/2, 3N/4 and N (free_steps) are measured against
+  the start frame: free[run].sharpness, gradient energy (far below 1: the melt, or a white or dark
+  blow-out; far above 1: noise), and free[run].colour_cast (rollout_strip.colour_cast: a red drift;
+  start_colour_cast is the start frame's). OUT/free.png: one row per run.
 Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs.
 """
 
