@@ -82,6 +82,11 @@ def warp_settings(game: GameConfig, factor: int) -> dict[str, Any]:
     return {"turn_warp": tuple(d * game.frame_skip for d in A.TURN_BUCKETS), "warp_rows": view // factor}
 
 
+def norm_groups(widths: tuple[int, ...]) -> int:
+    """GroupNorm's group count for these UNet widths: 32 where they allow (SD's), else fewer."""
+    return math.gcd(32, *widths)
+
+
 def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:
     n = len(cfg.block_out_channels)
     # the current action joins the timestep through diffusers' `timestep_cond` (a linear map added to the
@@ -101,7 +106,7 @@ def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, 
         num_class_embeds=cfg.noise_buckets,
         **action,
         only_cross_attention=cfg.only_cross_attention,
-        norm_num_groups=math.gcd(32, *cfg.block_out_channels),  # 32 where the widths allow (SD's), else fewer
+        norm_num_groups=norm_groups(cfg.block_out_channels),
     )
     if cfg.action_embed:  # zero: the model starts as it would without it, so a trained one can take it on
         nn.init.zeros_(unet.time_embedding.cond_proj.weight)

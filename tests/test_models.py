@@ -477,3 +477,30 @@ def test_own_frames_replace_the_last_context_frame_with_the_models_sample():
         want = sampler(noise, pctx, pcodes).float()
     torch.testing.assert_close(ctx[2, -1], want[0])
     assert not torch.equal(ctx[0, -1], batch[1][0, -1])
+
+
+def test_widening_keeps_what_the_denoiser_computes_and_splits_the_copies_unevenly():
+    from dataclasses import replace
+
+    from training.widen import widen
+
+    torch.manual_seed(0)
+    cfg = replace(DenoiserConfig(**TINY_DENOISER), block_out_channels=(32, 64), target="delta", delta_scale=0.5,
+                  action_embed=True)
+    m = build_denoiser(cfg, 4, (16, 20)).eval()
+    torch.nn.init.normal_(m.unet.time_embedding.cond_proj.weight, std=0.1)  # trained, not its zero start
+    wide, wcfg = widen(m, cfg, 4, (16, 20), 2, jitter=0.1)
+    assert wcfg.block_out_channels == (64, 128)
+    assert sum(p.numel() for p in wide.parameters()) > 3 * sum(p.numel() for p in m.parameters())
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(3, 4, 16, 20, generator=g), torch.tensor([999, 500, 3]),
+            torch.randn(3, 4, 4, 16, 20, generator=g), torch.randint(0, 7, (3, 5, 2), generator=g),
+            torch.tensor([0, 4, 9]))
+    with torch.no_grad():
+        torch.testing.assert_close(wide.eval()(*args), m(*args), atol=1e-4, rtol=1e-4)
+    w = wide.unet.conv_out.weight  # reads the copies of each channel: shares that differ, summing to the old
+    assert not torch.allclose(w[:, 0::2], w[:, 1::2])
+    torch.testing.assert_close(w[:, 0::2] + w[:, 1::2], m.unet.conv_out.weight)
+    with pytest.raises(ValueError, match="groups"):  # (8, 16): 8 groups, (16, 32): 16 — not the same function
+        widen(build_denoiser(DenoiserConfig(**TINY_DENOISER), 4, (16, 20)), DenoiserConfig(**TINY_DENOISER), 4,
+              (16, 20), 2)

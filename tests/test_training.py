@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -410,10 +411,17 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0
-    assert experiment.main(argv) == 0  # the budget is spent: no more training, one more evaluated row
-    rows = [x for x in table.read_text().splitlines() if x.startswith("| delta, CFG 1.5 |")]
+    # the budget is spent: no more training, one more evaluated row, with free play under its own header
+    assert experiment.main(argv[:argv.index("--")] + ["--free-steps", "4"] + argv[argv.index("--"):]) == 0
+    lines = table.read_text().splitlines()
+    rows = [x for x in lines if x.startswith("| delta, CFG 1.5 |")]
     assert len(rows) == 2 and rows[0].split("|")[3] == rows[1].split("|")[3]  # same samples seen
-    assert "--target delta" in rows[0]
+    assert "--target delta" in rows[0] and "--free-steps 4" in rows[1]
+    heads = [i for i, x in enumerate(lines) if x.startswith("| variant | budget |")]
+    assert len(heads) == 2 and "free play 4" in lines[heads[1]] and "free play" not in lines[heads[0]]
+    for h in heads:  # every row has its header's columns
+        assert lines[h + 2].count("|") == lines[h].count("|") == lines[h + 1].count("|")
+    assert re.search(r"\| \d\.\d\d–\d\.\d\d / \d+ \|", rows[1])  # the free-play cell
 
 
 def test_pipeline_runs_every_stage_on_a_tiny_budget(tmp_path):
@@ -577,3 +585,32 @@ def test_probe_reports_the_rows_on_real_held_out_play(tiny_checkpoint, tiny_data
     assert rows["copy-last"]["psnr"] == pytest.approx(M.psnr(shown, real), abs=1e-3)
     assert probe.main(argv) == 0 and json.loads((out / "probe.json").read_text()) == rep  # deterministic
     assert probe.main(["--checkpoint", str(tmp_path / "none"), "--data", str(tiny_dataset), "--out", str(out)]) == 2
+
+
+def test_continued_training_can_widen_the_denoiser(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    from dataclasses import replace
+
+    from neuraldoom.checkpoint import save_checkpoint
+    from neuraldoom.denoiser import build_denoiser
+
+    ck = Checkpoint(tiny_checkpoint)
+    dcfg = replace(ck.denoiser_cfg, block_out_channels=(32, 64))
+    narrow = tmp_path / "narrow"
+    save_checkpoint(narrow, ck.ae, build_denoiser(dcfg, 4, tuple(ck.denoiser.unet.config.sample_size)),
+                    ck.game, dcfg, ck.sampler_cfg, ck.context_frames, ck.context_actions, {})
+    out = tmp_path / "wide"
+    argv = ["--data", str(tiny_dataset), "--init-from", str(narrow), "--out", str(out), "--steps", "2", "--batch", "2",
+            "--max-frames", "300", "--eval-every", "2", "--widen", "2"]
+    assert train_diffusion.main(argv) == 0
+    wide = Checkpoint(out / "checkpoint")
+    assert wide.denoiser_cfg.block_out_channels == (64, 128)
+    assert wide.denoiser.unet.conv_in.weight.shape[0] == 64
+    argv[argv.index("--steps") + 1] = "3"
+    assert train_diffusion.main(argv) == 0  # resumes the wide run
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["notes"]["steps"] == 3
+    capsys.readouterr()
+    bad = ["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(tmp_path / "bad"),
+           "--steps", "2", "--widen", "2"]
+    assert train_diffusion.main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "groups" in err[0]

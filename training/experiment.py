@@ -6,7 +6,8 @@ on the held-out episodes, and append the row (with the exact command) to docs/EX
 
 Everything after `--` goes to `training.train_diffusion` unchanged. The run lives in OUT/NAME (rerunning
 resumes it until the budget is spent, then only re-evaluates); the evaluation is `training.evaluate` with
-fixed settings (seed, targets, rollouts and their length), so rows are comparable. Look at
+fixed settings (seed, targets, rollouts and their length), so rows are comparable; the row lands in the
+file's last table when it ends the file and has the row's columns, else under a new header. Look at
 OUT/NAME/eval/grid.png and rollout.png before believing a row.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuraldoom.config import parse_args
+from neuraldoom.files import write_text
 from training import evaluate, train_diffusion
 
 STEPS = (8, 32, 64, 128)  # the autoregressive steps a row reports
@@ -36,11 +38,25 @@ class Args:
     rollouts: int = 8
     rollout_steps: int = 128
     guidance: float = 0.0  # CFG weight to evaluate with (0 = the checkpoint's)
+    free_steps: int = 0  # free play of this many steps from the checkpoint's start (training.evaluate): the row
+    # then carries its gradient energy range and largest colour cast, what 128-step rollouts cannot show
     threads: int = 1
 
 
+def free_cell(report: dict) -> str:
+    """Free play over all its runs: the range of gradient energy against the start frame, the largest
+    colour cast ("—" without free play)."""
+    runs = (report.get("free") or {}).values()
+    if not runs:
+        return "—"
+    sharp = [x for r in runs for x in r["sharpness"]]
+    cast = max(x for r in runs for x in r["colour_cast"])
+    return f"{min(sharp):.2f}–{max(sharp):.2f} / {cast:.0f}"
+
+
 def row(name: str, minutes: float, report: dict, train_log: list[dict], command: str) -> str:
-    """One markdown table row: TF PSNR (gain over copy-last), AR PSNR (gain) and sharpness per step."""
+    """One markdown table row: TF PSNR (gain over copy-last), AR PSNR (gain) and sharpness per step, the
+    status bar, and with free play its cell."""
     seen = train_log[-1]["samples"] if train_log else 0
     tf = f"{report['tf_psnr']:.2f} ({report['tf_psnr'] - report['copy_last_psnr']:+.2f}) / {report['tf_sharpness']:.2f}"
     ar = []
@@ -53,12 +69,29 @@ def row(name: str, minutes: float, report: dict, train_log: list[dict], command:
     sb = [report.get(k) for k in ("tf_statusbar_acc", "ar_statusbar_acc")]
     sb_s = " / ".join("—" if v is None else f"{100 * v:.0f}%" for v in sb)
     name = f"{name}, CFG {report['guidance']:g}" if "guidance" in report else name
-    return f"| {name} | {minutes:g} min | {seen:,} | {tf} | " + " | ".join(ar) + f" | {sb_s} | `{command}` |"
+    free = f" {free_cell(report)} |" if report.get("free_steps") else ""
+    return f"| {name} | {minutes:g} min | {seen:,} | {tf} | " + " | ".join(ar) + f" | {sb_s} |{free} `{command}` |"
 
 
-HEADER = ("| variant | budget | samples | TF PSNR (vs copy-last) / sharp | "
-          + " | ".join(f"AR {t} (vs copy-last) / sharp" for t in STEPS)
-          + " | status bar TF / AR | command |\n|" + "---|" * (6 + len(STEPS)) + "\n")
+def header(free_steps: int = 0) -> str:
+    """The table's header; with free play, its column (gradient energy range / largest colour cast)."""
+    free = f" free play {free_steps}: energy / cast |" if free_steps else ""
+    return ("| variant | budget | samples | TF PSNR (vs copy-last) / sharp | "
+            + " | ".join(f"AR {t} (vs copy-last) / sharp" for t in STEPS)
+            + f" | status bar TF / AR |{free} command |\n|" + "---|" * (6 + len(STEPS) + bool(free_steps)) + "\n")
+
+
+def append_row(text: str, head: str, line: str) -> str:
+    """The row under the file's last table when that table ends the file and has this header, else under a
+    new copy of the header: a row always lands in a table with its columns."""
+    lines = text.rstrip("\n").splitlines()
+    tail = len(lines)
+    while tail and lines[tail - 1].startswith("|"):
+        tail -= 1
+    table = lines[tail:]
+    if len(table) < 2 or "\n".join(table[:2]) + "\n" != head:
+        lines += ["", *head.rstrip("\n").splitlines()]
+    return "\n".join(lines + [line]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = evaluate.main(["--checkpoint", str(run / "checkpoint"), "--data", a.data, "--out", str(ev),
                         "--samples", str(a.samples), "--rollouts", str(a.rollouts),
                         "--rollout-steps", str(a.rollout_steps), "--threads", str(a.threads),
-                        "--guidance", str(a.guidance)])
+                        "--guidance", str(a.guidance), "--free-steps", str(a.free_steps)])
     if rc:
         return rc
     report = json.loads((ev / "report.json").read_text())
@@ -86,10 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m training.experiment " + shlex.join(own + (["--", *extra] if extra else []))
     table = Path(a.table)
     table.parent.mkdir(parents=True, exist_ok=True)
-    text = table.read_text() if table.exists() else "# Experiments\n"
-    if "| variant | budget |" not in text:
-        text += "\n## Denoiser recipes\n\n" + HEADER
-    table.write_text(text.rstrip("\n") + "\n" + row(a.name, a.minutes, report, log, command) + "\n")
+    text = table.read_text() if table.exists() else "# Experiments\n\n## Denoiser recipes\n"
+    write_text(table, append_row(text, header(a.free_steps), row(a.name, a.minutes, report, log, command)))
     print(f"experiment: row for {a.name} appended to {table}")
     return 0
 

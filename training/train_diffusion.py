@@ -41,6 +41,7 @@ from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.sampler import DDIMSampler, denoiser_pass
 from training import latents as L
 from training import trainer
+from training.widen import widen, widened_config
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,13 @@ class Args:
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
+    widen: int = 1  # with --init-from: every UNet width times this, the function unchanged (training.widen), so a
+    # trained model goes on with more capacity instead of a wider one starting from scratch
+
 
 
 ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "block_out_channels", "attention_heads",
-                "cross_attention_dim")
+                "cross_attention_dim", "widen")
 
 
 def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator,
@@ -226,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
             dcfg = replace(DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
                            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim,
                            reads=a.reads, target=a.target, action_embed=a.action_embed)
+        if a.widen != 1:
+            if init is None:
+                raise CheckpointError("--widen grows a trained denoiser: give --init-from CHECKPOINT")
+            try:
+                widened_config(dcfg, a.widen)
+            except ValueError as e:
+                raise CheckpointError(f"--widen: {e}") from None
         data = Path(a.data)
         game = Recording(find_recordings(data / "train")[0]).game
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
@@ -249,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train_diffusion: {a.init_from}: its weights do not fit (missing {missing}, unexpected "
                   f"{unexpected})", file=sys.stderr)
             return 2
+    if a.widen != 1:
+        model, dcfg = widen(model, dcfg, ae.config.latent_channels, hw, a.widen, seed=a.seed)
     try:
         opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.01)
     except CheckpointError as e:
@@ -290,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "event_share": a.event_share, "drift": a.drift,
-                 "drift_share": a.drift_share}
+                 "drift_share": a.drift_share, "widen": a.widen}
         sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 

@@ -1,0 +1,104 @@
+"""Grow a trained denoiser wider without changing what it computes (Net2Net's "wider" operator).
+
+Every channel of the UNet becomes `factor` copies of itself: a layer's outputs are repeated, the next
+layer's weights on those inputs are split among the copies, so the wide model starts as the trained one
+and training goes on from there with the extra capacity, instead of from scratch. Exact where it matters:
+- GroupNorm keeps its group count and each group holds the copies of the old group's channels, so its
+  mean and variance are the old ones (LayerNorm likewise);
+- attention keeps its head count; each head holds the copies of its old channels, so q·k doubles and q is
+  scaled by 1/sqrt(factor);
+- the sinusoidal timestep features widen with the first width: the wide set holds every old frequency,
+  and the time MLP reads only those.
+The split of a weight among its copies is uneven (a random share that sums to the old weight), so the
+copies get different gradients and grow apart: equal shares would keep them identical forever.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from neuraldoom.config import DenoiserConfig
+from neuraldoom.denoiser import Denoiser, build_denoiser, norm_groups
+
+
+def _repeat(w: torch.Tensor, dim: int, factor: int) -> torch.Tensor:
+    return w.repeat_interleave(factor, dim)
+
+
+def _split(w: torch.Tensor, dim: int, factor: int, jitter: float, gen: torch.Generator) -> torch.Tensor:
+    """Repeat along an input dim and share the weight among the copies: w/factor each, plus a zero-sum
+    random part of size jitter·std(w) (the copies' inputs are equal, so the sum is all that counts)."""
+    r = _repeat(w, dim, factor) / factor
+    if jitter and factor > 1:
+        noise = torch.randn(r.shape, generator=gen) * jitter * float(w.std())
+        shape = list(r.shape)
+        shape[dim:dim + 1] = [shape[dim] // factor, factor]
+        noise = noise.view(shape)
+        noise = noise - noise.mean(dim + 1, keepdim=True)
+        r = r + noise.view(r.shape)
+    return r
+
+
+def _feature_map(old: nn.Module, new: nn.Module) -> torch.Tensor:
+    """For each old sinusoidal timestep feature, the index of the identical wide one."""
+    t = torch.arange(0, 1000, 7)
+    a, b = old(t), new(t)
+    idx = torch.cdist(a.T.double(), b.T.double()).argmin(1)
+    if not torch.allclose(a, b[:, idx], atol=1e-5):
+        raise ValueError("the wide timestep features do not hold the old ones")
+    return idx
+
+
+def widened_config(cfg: DenoiserConfig, factor: int) -> DenoiserConfig:
+    """The config of `cfg` widened by `factor`; ValueError where that cannot keep the function."""
+    if factor < 1:
+        raise ValueError(f"the widening factor must be >= 1, not {factor}")
+    wide = tuple(c * factor for c in cfg.block_out_channels)
+    groups = norm_groups(cfg.block_out_channels), norm_groups(wide)
+    if groups[0] != groups[1]:  # each wide group must hold the copies of one old group
+        raise ValueError(f"widening {cfg.block_out_channels} by {factor} changes GroupNorm's groups "
+                         f"({groups[0]} to {groups[1]}): give widths that are multiples of 32")
+    return replace(cfg, block_out_channels=wide)
+
+
+def widen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int, hw: tuple[int, int], factor: int = 2,
+          jitter: float = 0.1, seed: int = 0) -> tuple[Denoiser, DenoiserConfig]:
+    """A denoiser `factor` times as wide with the same function, and its config."""
+    wide_cfg = widened_config(cfg, factor)
+    wide = build_denoiser(wide_cfg, latent_channels, hw)
+    if factor == 1:
+        wide.load_state_dict(model.state_dict())
+        return wide, wide_cfg
+    gen = torch.Generator().manual_seed(seed)
+    old_mods = dict(model.named_modules())
+    feat = _feature_map(model.unet.time_proj, wide.unet.time_proj)
+    with torch.no_grad():
+        for name, new in wide.named_modules():
+            old = old_mods[name]
+            for pname, p in new.named_parameters(recurse=False):
+                w = getattr(old, pname).detach().float()
+                if name.endswith("time_embedding.linear_1") and pname == "weight":  # reads the sinusoid features
+                    v = torch.zeros(w.shape[0], p.shape[1])
+                    v[:, feat] = w
+                    v = _repeat(v, 0, p.shape[0] // w.shape[0])
+                elif name.endswith("time_embedding.cond_proj"):  # writes into the sinusoid features
+                    v = torch.zeros(p.shape)
+                    v[feat] = w
+                elif isinstance(new, nn.Embedding):  # (num, dim): the rows are the inputs
+                    v = _repeat(w, 1, p.shape[1] // w.shape[1])
+                elif w.ndim == 1:  # biases, norm scales and shifts: one per output channel
+                    v = _repeat(w, 0, p.shape[0] // w.shape[0])
+                else:  # Linear / Conv weights: (out, in, ...)
+                    v = _repeat(w, 0, p.shape[0] // w.shape[0])
+                    f = p.shape[1] // w.shape[1]
+                    v = _split(v, 1, f, jitter, gen) if f > 1 else v
+                if v.shape != p.shape:
+                    raise ValueError(f"{name}.{pname}: cannot widen {tuple(w.shape)} to {tuple(p.shape)}")
+                if name.endswith((".to_q",)) and getattr(new, "out_features", 0) != getattr(old, "out_features", 0):
+                    v = v / math.sqrt(factor)  # same heads, each `factor` times as wide: q·k grows by factor
+                p.copy_(v.to(p.dtype))
+    return wide, wide_cfg
