@@ -94,7 +94,6 @@ class Args:
     # trained model goes on with more capacity instead of a wider one starting from scratch
 
 
-
 ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "block_out_channels", "attention_heads",
                 "cross_attention_dim", "widen")
 

@@ -25,15 +25,11 @@ from neuraldoom.config import DenoiserConfig
 from neuraldoom.denoiser import Denoiser, build_denoiser, norm_groups
 
 
-def _repeat(w: torch.Tensor, dim: int, factor: int) -> torch.Tensor:
-    return w.repeat_interleave(factor, dim)
-
-
 def _split(w: torch.Tensor, dim: int, factor: int, jitter: float, gen: torch.Generator) -> torch.Tensor:
     """Repeat along an input dim and share the weight among the copies: w/factor each, plus a zero-sum
     random part of size jitter·std(w) (the copies' inputs are equal, so the sum is all that counts)."""
-    r = _repeat(w, dim, factor) / factor
-    if jitter and factor > 1:
+    r = w.repeat_interleave(factor, dim) / factor
+    if jitter:
         noise = torch.randn(r.shape, generator=gen) * jitter * float(w.std())
         shape = list(r.shape)
         shape[dim:dim + 1] = [shape[dim] // factor, factor]
@@ -84,21 +80,21 @@ def widen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int, hw: tuple[
                 if name.endswith("time_embedding.linear_1") and pname == "weight":  # reads the sinusoid features
                     v = torch.zeros(w.shape[0], p.shape[1])
                     v[:, feat] = w
-                    v = _repeat(v, 0, p.shape[0] // w.shape[0])
+                    v = v.repeat_interleave(p.shape[0] // w.shape[0], 0)
                 elif name.endswith("time_embedding.cond_proj"):  # writes into the sinusoid features
                     v = torch.zeros(p.shape)
                     v[feat] = w
                 elif isinstance(new, nn.Embedding):  # (num, dim): the rows are the inputs
-                    v = _repeat(w, 1, p.shape[1] // w.shape[1])
+                    v = w.repeat_interleave(p.shape[1] // w.shape[1], 1)
                 elif w.ndim == 1:  # biases, norm scales and shifts: one per output channel
-                    v = _repeat(w, 0, p.shape[0] // w.shape[0])
+                    v = w.repeat_interleave(p.shape[0] // w.shape[0], 0)
                 else:  # Linear / Conv weights: (out, in, ...)
-                    v = _repeat(w, 0, p.shape[0] // w.shape[0])
+                    v = w.repeat_interleave(p.shape[0] // w.shape[0], 0)
                     f = p.shape[1] // w.shape[1]
                     v = _split(v, 1, f, jitter, gen) if f > 1 else v
                 if v.shape != p.shape:
                     raise ValueError(f"{name}.{pname}: cannot widen {tuple(w.shape)} to {tuple(p.shape)}")
-                if name.endswith((".to_q",)) and getattr(new, "out_features", 0) != getattr(old, "out_features", 0):
+                if name.endswith(".to_q") and new.out_features != old.out_features:
                     v = v / math.sqrt(factor)  # same heads, each `factor` times as wide: q·k grows by factor
                 p.copy_(v.to(p.dtype))
     return wide, wide_cfg
