@@ -304,13 +304,39 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
 
 
 @pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"],
-                                   ["--event-share", "1.5"], ["--drift", "-1"], ["--drift-share", "2"]])
+                                   ["--event-share", "1.5"], ["--drift", "-1"], ["--drift-share", "2"],
+                                   ["--timesteps", "some"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and flags[0] in err
     assert not (tmp_path / "run" / "train_state.safetensors").exists()
+
+
+def test_plan_timesteps_train_only_the_levels_the_sampler_uses(tiny_checkpoint, monkeypatch):
+    from diffusers import DDPMScheduler
+
+    from neuraldoom.sampler import DDIMSampler
+
+    ck = Checkpoint(tiny_checkpoint)
+    den = ck.denoiser
+    levels = torch.tensor([t for t, _, _ in DDIMSampler(den, 4, 1.0).plan])
+    assert levels.tolist() == [999, 749, 499, 249]
+    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction")
+    seen = []
+    add_noise = sched.add_noise
+    monkeypatch.setattr(sched, "add_noise", lambda x, e, t: seen.append(t) or add_noise(x, e, t))
+    c, hw = den.unet.config.out_channels, tuple(den.unet.config.sample_size)
+    z, ctx = torch.randn(16, c, *hw), torch.randn(16, den.context, c, *hw)
+    codes = torch.zeros(16, den.context + 1, 2, dtype=torch.long)
+    cfg = ck.denoiser_cfg
+    with torch.no_grad():
+        for lv in (levels, None):
+            train_diffusion.diffusion_loss(den, sched, (z, ctx, codes), cfg, 0.0, torch.Generator().manual_seed(0),
+                                           torch.device("cpu"), "clean", levels=lv)
+    assert set(seen[0].tolist()) <= set(levels.tolist()) and len(set(seen[0].tolist())) > 1
+    assert not set(seen[1].tolist()) <= set(levels.tolist())  # the default: the whole schedule
 
 
 def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):
@@ -407,9 +433,10 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
             "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
             "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
             "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine",
-            "--hud-weight", "4", "--event-share", "0.5", *TINY_DM]
+            "--hud-weight", "4", "--event-share", "0.5", "--timesteps", "plan", *TINY_DM]
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
+    assert ck.config["notes"]["timesteps"] == "plan"
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0
     # the budget is spent: no more training, one more evaluated row, with free play under its own header
     assert experiment.main(argv[:argv.index("--")] + ["--free-steps", "4"] + argv[argv.index("--"):]) == 0

@@ -73,6 +73,8 @@ class Args:
     drift_share: float = 0.25  # the best trade of 0.1 / 0.25 / 0.5 at 40 minutes (docs/EXPERIMENTS.md)
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (latents.status_events): random play spends ammo in 5% of its steps, and the model never drew it
+    timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's) or "plan" (only
+    # the sampler's: play and the students' teacher ask for no other, so every sample trains one that is used)
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
     save_every: float = 300.0  # seconds
     eval_every: int = 250
@@ -131,13 +133,14 @@ def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
                    clean_share: float = 0.0, row_weight: torch.Tensor | None = None, drift: float = 0.0,
-                   drift_share: float = 0.0) -> torch.Tensor:
+                   drift_share: float = 0.0, levels: torch.Tensor | None = None) -> torch.Tensor:
     """The v-prediction loss of one batch. A "delta" target is taken against the reference (the last
     context frame, turned by the current action when the model warps turns) as the model sees it
     (`reference="seen"`: noise-augmented, so the target also asks it to remove that noise) or as it was
     (`"clean"`: static content is exactly zero change at every noise level).
     row_weight (h,): per latent row, normalised to mean 1 (None: all rows alike). drift: see drift_offsets;
-    the offset is on every context frame and on the reference, so the target is the change plus the way back."""
+    the offset is on every context frame and on the reference, so the target is the change plus the way back.
+    levels: the timesteps to draw from (None: all of the schedule's)."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
     raw = getattr(model, "module", model)
@@ -149,7 +152,10 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     drop = torch.rand(B, generator=gen) < dropout
     ctx = torch.where(drop.view(B, 1, 1, 1, 1), torch.zeros_like(ctx), ctx)
     eps = torch.randn(target.shape, generator=gen)
-    t = torch.randint(0, sched.config.num_train_timesteps, (B,), generator=gen)
+    if levels is None:
+        t = torch.randint(0, sched.config.num_train_timesteps, (B,), generator=gen)
+    else:
+        t = levels[torch.randint(0, len(levels), (B,), generator=gen)]
     noisy = sched.add_noise(target, eps, t)
     v = sched.get_velocity(target, eps, t)  # eq. 1: v-prediction
     pred = model(noisy.to(device), t.to(device), ctx.to(device), codes.to(device), bucket.to(device))
@@ -211,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         ae = load_model_dir(AutoencoderTiny, ae_dir).eval()
         if a.target not in ("frame", "delta"):
             raise CheckpointError(f"--target must be frame or delta, not {a.target!r}")
+        if a.timesteps not in ("all", "plan"):
+            raise CheckpointError(f"--timesteps must be all or plan, not {a.timesteps!r}")
         if a.schedule not in trainer.SCHEDULES:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
         if a.hud_weight <= 0:
@@ -276,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
-    own_sampler = DDIMSampler(raw, SamplerConfig().steps, 1.0)  # play's steps, the conditional pass alone
+    sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
+    own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
+    levels = torch.tensor([t for t, _, _ in own_sampler.plan]) if a.timesteps == "plan" else None
     row_weight = None
     if a.hud_weight != 1:
         row_weight = 1 + (a.hud_weight - 1) * hud_rows(hw[0], AE.downsampling(ae), game.height).float()
@@ -287,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         raw.eval()
         g = torch.Generator().manual_seed(1)
         loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context, raw.reads), dcfg, 0.0, g, acc.device,
-                              a.reference, a.clean_share)
+                              a.reference, a.clean_share, levels=levels)  # the levels trained: "plan" is its own scale
         raw.train()
         return float(loss)
 
@@ -302,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "event_share": a.event_share, "drift": a.drift,
-                 "drift_share": a.drift_share, "widen": a.widen}
-        sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
+                 "drift_share": a.drift_share, "widen": a.widen, "timesteps": a.timesteps}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
@@ -318,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
-                              a.clean_share, row_weight, a.drift, a.drift_share)
+                              a.clean_share, row_weight, a.drift, a.drift_share, levels)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
