@@ -108,8 +108,8 @@ def load_model_dir(cls: Any, path: str | Path) -> Any:
 # -- the playable checkpoint folder --------------------------------------------------------------
 # config.json          neuraldoom's own: game, denoiser and sampler configs, action set, training notes
 # autoencoder/         diffusers AutoencoderTiny (config.json + safetensors)
-# unet/                diffusers UNet2DConditionModel (EMA weights)
-# action_encoder/      the action-token embedding (diffusers ModelMixin)
+# unet/                diffusers UNet2DConditionModel (EMA weights; float32, or float16 when exported --half)
+# action_encoder/      the action-token embedding (diffusers ModelMixin; the same precision)
 # context.safetensors  the starting context: N real frames (uint8) + the N actions that led to them
 # students/N/          optional: a distilled N-step sampler's denoiser (unet/ + action_encoder/, float16 on
 #                      disk), guidance folded in; config.json "students" says how each was made
@@ -132,9 +132,10 @@ def weights_digest(module: Any, salt: str = "") -> str:
 
 def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoiser_cfg: Any, sampler_cfg: Any,
                     context_frames: Any, context_actions: Any, notes: dict[str, Any] | None = None,
-                    students: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> None:
+                    students: dict[int, tuple[Any, dict[str, Any]]] | None = None, half: bool = False) -> None:
     """Write a complete, playable checkpoint folder atomically (built aside, then swapped in).
-    students: {steps: (denoiser, how it was made)} of distilled samplers to carry."""
+    students: {steps: (denoiser, how it was made)} of distilled samplers to carry. half: the teacher's
+    weights in float16 on disk too (loaded back as float32, like the students')."""
     from . import actions as A
     from .config import to_dict
 
@@ -143,8 +144,9 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ae.save_pretrained(str(tmp / "autoencoder"), safe_serialization=True)
-    denoiser.unet.save_pretrained(str(tmp / "unet"), safe_serialization=True)
-    denoiser.action_encoder.save_pretrained(str(tmp / "action_encoder"), safe_serialization=True)
+    for name in ("unet", "action_encoder"):
+        part = getattr(denoiser, name)
+        (copy.deepcopy(part).half() if half else part).save_pretrained(str(tmp / name), safe_serialization=True)
     for n, (model, _) in (students or {}).items():  # float16 on disk: half the bytes (loaded back as float32)
         d = tmp / "students" / str(n)
         copy.deepcopy(model.unet).half().save_pretrained(str(d / "unet"), safe_serialization=True)

@@ -238,6 +238,38 @@ def test_export_sets_the_shipped_guidance(tiny_run, tmp_path, capsys):
     assert "\n" not in err and "--guidance" in err and not (tmp_path / "bad").exists()
 
 
+def test_export_half_stores_the_teacher_in_float16_and_keeps_students_consistent(tiny_run, tmp_path, capsys):
+    import copy
+
+    from neuraldoom.checkpoint import save_checkpoint, weights_digest
+
+    src = Checkpoint(tiny_run / "checkpoint")
+    half = tmp_path / "half"
+    assert export.main(["--checkpoint", str(tiny_run / "checkpoint"), "--half", "--out", str(half)]) == 0
+    unet_bytes = [sum(f.stat().st_size for f in (d / "unet").glob("*.safetensors")) for d in (src.path, half)]
+    assert unet_bytes[1] < 0.55 * unet_bytes[0]
+    ck = Checkpoint(half)
+    for x, y in zip(src.denoiser.parameters(), ck.denoiser.parameters(), strict=True):
+        assert y.dtype == torch.float32 and torch.equal(y, x.half().float())  # rounded once, played in float32
+    # students distilled from the float32 teacher would no longer match it: refused, one line, nothing written
+    withs = tmp_path / "withs"
+    student = (copy.deepcopy(src.denoiser), {"base": weights_digest(src.denoiser), "teacher": "4-step DDIM"})
+    save_checkpoint(withs, src.ae, src.denoiser, src.game, src.denoiser_cfg, src.sampler_cfg, src.context_frames,
+                    src.context_actions, students={1: student})
+    capsys.readouterr()
+    assert export.main(["--checkpoint", str(withs), "--half", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--half" in err and not (tmp_path / "bad").exists()
+    # a student of the rounded teacher travels with it, and exporting it again changes nothing
+    student = (copy.deepcopy(ck.denoiser), {"base": weights_digest(ck.denoiser), "teacher": "4-step DDIM"})
+    save_checkpoint(withs, ck.ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg, ck.context_frames,
+                    ck.context_actions, students={1: student}, half=True)
+    again = tmp_path / "again"
+    assert export.main(["--checkpoint", str(withs), "--half", "--out", str(again)]) == 0
+    assert sorted(Checkpoint(again).students) == [1]
+    assert weights_digest(Checkpoint(again).denoiser) == weights_digest(ck.denoiser)
+
+
 def test_export_sets_the_deadband_that_play_then_uses(tiny_run, tiny_checkpoint, tmp_path):
     out = tmp_path / "db"
     assert export.main(["--checkpoint", str(tiny_run / "checkpoint"), "--deadband", "0.3", "--out", str(out)]) == 0

@@ -4,6 +4,7 @@
         --out checkpoints/e1m1
     python -m training.export --checkpoint checkpoints/e1m1 --students runs/g4/checkpoint runs/p1/checkpoint \
         --out checkpoints/e1m1
+    python -m training.export --checkpoint runs/wide/checkpoint --half --out runs/cand   # float16 on disk
 
 The denoiser was trained on the latents of one encoder, so the new autoencoder must carry exactly that
 encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused. The
@@ -34,6 +35,8 @@ class Args:
     students: tuple[str, ...] = ()  # checkpoints whose distilled students to carry (later ones win)
     guidance: float = 0.0  # the teacher's classifier-free guidance weight to ship (0 = keep the checkpoint's)
     deadband: float = -1.0  # the sampler's deadband to ship (SamplerConfig.deadband; -1 = keep the checkpoint's)
+    half: bool = False  # the teacher's weights in float16 on disk (half the bytes: what keeps a wider denoiser
+    # under MAX_MB). It rounds the teacher, so students are distilled from the rounded one: export --half first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         stale = [n for n, (_, info) in students.items() if info.get("base") != base]
         if stale:
             raise CheckpointError(f"{a.checkpoint} carries students {stale} of another denoiser")
+        rounds = a.half and any(not torch.equal(p, p.half().float()) for p in ck.denoiser.parameters())
+        if rounds and students:
+            raise CheckpointError(f"--half rounds {a.checkpoint}'s denoiser, and its students {sorted(students)} "
+                                  f"were distilled from the float32 weights: export --half first, distil from that")
     except CheckpointError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.deadband >= 0:
         sampler_cfg = replace(sampler_cfg, deadband=a.deadband)
     save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, sampler_cfg, ck.context_frames,
-                    ck.context_actions, notes, students)
+                    ck.context_actions, notes, students, half=a.half)
     mb = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file()) / 2**20
     print(f"export: {a.out} ({mb:.1f} MB; students: {sorted(students) or 'none'})")
     if mb > MAX_MB:
