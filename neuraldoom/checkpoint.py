@@ -130,6 +130,12 @@ def weights_digest(module: Any, salt: str = "") -> str:
     return h.hexdigest()[:16]
 
 
+def _save_denoiser(denoiser: Any, folder: Path, half: bool) -> None:
+    for name in ("unet", "action_encoder"):
+        part = getattr(denoiser, name)
+        (copy.deepcopy(part).half() if half else part).save_pretrained(str(folder / name), safe_serialization=True)
+
+
 def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoiser_cfg: Any, sampler_cfg: Any,
                     context_frames: Any, context_actions: Any, notes: dict[str, Any] | None = None,
                     students: dict[int, tuple[Any, dict[str, Any]]] | None = None, half: bool = False) -> None:
@@ -144,13 +150,9 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ae.save_pretrained(str(tmp / "autoencoder"), safe_serialization=True)
-    for name in ("unet", "action_encoder"):
-        part = getattr(denoiser, name)
-        (copy.deepcopy(part).half() if half else part).save_pretrained(str(tmp / name), safe_serialization=True)
+    _save_denoiser(denoiser, tmp, half)
     for n, (model, _) in (students or {}).items():  # float16 on disk: half the bytes (loaded back as float32)
-        d = tmp / "students" / str(n)
-        copy.deepcopy(model.unet).half().save_pretrained(str(d / "unet"), safe_serialization=True)
-        copy.deepcopy(model.action_encoder).half().save_pretrained(str(d / "action_encoder"), safe_serialization=True)
+        _save_denoiser(model, tmp / "students" / str(n), True)
     save_file({"frames": torch.tensor(np.asarray(context_frames)),
                "actions": torch.as_tensor(context_actions, dtype=torch.int64).contiguous()},
               str(tmp / "context.safetensors"))
