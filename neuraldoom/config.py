@@ -86,6 +86,8 @@ class DenoiserConfig:
     # what conv_in reads, so the model corrects a turned view instead of redrawing it (denoiser.turn_grids)
     warp_rows: int = 0  # latent rows of the 3D view (the status bar and padding below are not turned)
     fov: float = 90.0  # the game's horizontal field of view, degrees (ViZDoom's default)
+    warp_mode: str = "bicubic"  # how the turn resamples the latent: "bicubic" (the least blur of the smooth
+    # kernels) or "nearest" (whole cells copied: no blur, so no learned sharpening for free play to feed back)
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

@@ -344,11 +344,11 @@ def test_the_action_path_grafts_onto_a_trained_denoiser_without_changing_it():
         torch.testing.assert_close(grafted(*args), plain(*args))
 
 
-def _warp_model(plain: bool = False):
+def _warp_model(plain: bool = False, mode: str = "bicubic"):
     from dataclasses import replace
 
     cfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", delta_scale=0.5)
-    warp = dict(turn_warp=tuple(2 * d for d in A.TURN_BUCKETS), warp_rows=12)  # frame skip 2; 12 view rows
+    warp = dict(turn_warp=tuple(2 * d for d in A.TURN_BUCKETS), warp_rows=12, warp_mode=mode)  # 12 view rows
     torch.manual_seed(0)
     return build_denoiser(cfg if plain else replace(cfg, **warp), 4, (16, 20)).eval()
 
@@ -367,6 +367,22 @@ def test_a_turn_warp_turns_the_view_and_leaves_the_status_bar():
         cols[A.TURN_BUCKETS[turn]] = ref[0, 0, 6].argmax().item()
     # 16 degrees with a 90-degree view 20 cells wide: 10 * tan(16°) = 2.9 cells at the middle
     assert cols[8.0] in (7, 8) and cols[-8.0] in (12, 13)  # turning right moves the view's content left
+
+
+def test_a_nearest_turn_warp_copies_whole_cells():
+    m = _warp_model(mode="nearest")
+    ctx = torch.randn(1, 4, 4, 16, 20, generator=torch.Generator().manual_seed(0))
+    codes = torch.full((1, 5, 2), A.NO_TURN, dtype=torch.long)
+    assert torch.equal(m.reference(ctx, codes), ctx[:, -1])
+    codes[0, -1, 1] = A.TURN_BUCKETS.index(8.0)
+    ref, last = m.reference(ctx, codes)[0], ctx[0, -1]
+    cells = last.flatten(1)  # (C, h*w): every turned cell is one of the last frame's cells, nothing blended
+    for row in range(16):
+        for col in range(20):
+            assert (cells == ref[:, row, col, None]).all(0).any()
+    assert not torch.equal(ref, last)  # and it did turn
+    with pytest.raises(ValueError, match="warp_mode"):
+        _warp_model(mode="cubic")
 
 
 def test_the_warped_model_reads_and_keeps_the_turned_frame():
