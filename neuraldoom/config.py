@@ -88,6 +88,9 @@ class DenoiserConfig:
     fov: float = 90.0  # the game's horizontal field of view, degrees (ViZDoom's default)
     warp_mode: str = "bicubic"  # how the turn resamples the latent: "bicubic" (the least blur of the smooth
     # kernels) or "nearest" (whole cells copied: no blur, so no learned sharpening for free play to feed back)
+    warp_fill: str = "border"  # what the turned frame holds where the turn brings in view the last frame never
+    # had: "border" (its edge repeated, a smear up to a quarter of the view wide at 16° a step) or "last"
+    # (the unturned last frame there, as a model without the warp sees it)
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

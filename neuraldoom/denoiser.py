@@ -53,6 +53,7 @@ def frames_read(cfg: DenoiserConfig) -> int:
 
 
 WARP_MODES = ("bicubic", "nearest")
+WARP_FILLS = ("border", "last")
 
 
 def turn_grids(degrees: tuple[float, ...], fov: float, rows: int, hw: tuple[int, int]) -> torch.Tensor:
@@ -76,6 +77,17 @@ def turn_grids(degrees: tuple[float, ...], fov: float, rows: int, hw: tuple[int,
         vs = torch.where(view, v / depth, v)
         grids.append(torch.stack([(us + w / 2) / w * 2 - 1, (vs + cy) / h * 2 - 1], -1))
     return torch.stack(grids).float()
+
+
+def unseen_cells(grids: torch.Tensor, rows: int) -> torch.Tensor:
+    """(turns, h, w) bool: the view cells whose turned source lies outside the last frame's view (beyond its
+    left or right edge, or above or below its view rows): content a turn brings in that no frame held."""
+    h, w = grids.shape[1:3]
+    col = (grids[..., 0] + 1) / 2 * w - 0.5  # source cell coordinates (align_corners=False)
+    row = (grids[..., 1] + 1) / 2 * h - 0.5
+    view = (torch.arange(h) < rows)[None, :, None]
+    outside = (col < -0.5) | (col > w - 0.5) | (row < -0.5) | (row > rows - 0.5)
+    return outside & view
 
 
 def warp_settings(game: GameConfig, factor: int) -> dict[str, Any]:
@@ -132,10 +144,23 @@ class Denoiser(nn.Module):
         if cfg.warp_mode not in WARP_MODES:
             raise ValueError(f"warp_mode must be one of {', '.join(WARP_MODES)}, not {cfg.warp_mode!r}")
         self.warp_mode = cfg.warp_mode
+        if cfg.warp_fill not in WARP_FILLS:
+            raise ValueError(f"warp_fill must be one of {', '.join(WARP_FILLS)}, not {cfg.warp_fill!r}")
         hw = tuple(unet.config.sample_size)
         # not persistent: derived from the config, so checkpoints with and without it share one state dict
         self.register_buffer("grids", turn_grids(tuple(cfg.turn_warp), cfg.fov, cfg.warp_rows, hw)
                              if cfg.turn_warp else None, persistent=False)
+        # warp_fill "last": the view rows are turned as an image of their own, so neither the edge fill nor a
+        # bicubic kernel's support reaches into the status bar below them (the "border" fill paints status-bar
+        # cells into the view's lower corners at every turn); the unseen cells keep the unturned frame
+        last_fill = self.grids is not None and cfg.warp_fill == "last"
+        self.view_rows = cfg.warp_rows
+        # the bucket that does not turn keeps the frame bit for bit (resampling at the cell centres is off by
+        # float rounding): a player standing still must see the view unchanged
+        self.still = list(cfg.turn_warp).index(0.0) if 0.0 in cfg.turn_warp else -1
+        view = turn_grids(tuple(cfg.turn_warp), cfg.fov, cfg.warp_rows, (cfg.warp_rows, hw[1])) if last_fill else None
+        self.register_buffer("view_grids", view, persistent=False)
+        self.register_buffer("unseen", unseen_cells(view, cfg.warp_rows) if last_fill else None, persistent=False)
 
     def reference(self, context: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The last context frame (B,C,h,w), turned by the current action when the model warps turns."""
@@ -145,7 +170,14 @@ class Denoiser(nn.Module):
         grid = self.grids[actions[:, -1, 1]].to(last.dtype)
         # bicubic: two bilinear warps there and back lose ~4 dB more of the decoded frame than bicubic ones;
         # nearest: no resampling at all, the sub-cell rest of the turn is left to the model
-        return F.grid_sample(last, grid, mode=self.warp_mode, padding_mode="border", align_corners=False)
+        if self.unseen is None:
+            return F.grid_sample(last, grid, mode=self.warp_mode, padding_mode="border", align_corners=False)
+        turn = actions[:, -1, 1]
+        view = last[:, :, :self.view_rows]
+        turned = F.grid_sample(view, self.view_grids[turn].to(last.dtype), mode=self.warp_mode,
+                               padding_mode="border", align_corners=False)
+        turned = torch.where(self.unseen[turn][:, None] | (turn == self.still).view(-1, 1, 1, 1), view, turned)
+        return torch.cat([turned, last[:, :, self.view_rows:]], 2)
 
     # The diffused variable. "delta" predicts the change from the reference (the last context frame as
     # the model saw it, turned by the current action if it warps turns), so an unsure model falls back to

@@ -344,11 +344,12 @@ def test_the_action_path_grafts_onto_a_trained_denoiser_without_changing_it():
         torch.testing.assert_close(grafted(*args), plain(*args))
 
 
-def _warp_model(plain: bool = False, mode: str = "bicubic"):
+def _warp_model(plain: bool = False, mode: str = "bicubic", fill: str = "border"):
     from dataclasses import replace
 
     cfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", delta_scale=0.5)
-    warp = dict(turn_warp=tuple(2 * d for d in A.TURN_BUCKETS), warp_rows=12, warp_mode=mode)  # 12 view rows
+    warp = dict(turn_warp=tuple(2 * d for d in A.TURN_BUCKETS), warp_rows=12, warp_mode=mode,  # 12 view rows
+                warp_fill=fill)
     torch.manual_seed(0)
     return build_denoiser(cfg if plain else replace(cfg, **warp), 4, (16, 20)).eval()
 
@@ -383,6 +384,30 @@ def test_a_nearest_turn_warp_copies_whole_cells():
     assert not torch.equal(ref, last)  # and it did turn
     with pytest.raises(ValueError, match="warp_mode"):
         _warp_model(mode="cubic")
+
+
+def test_a_turn_fills_what_it_brings_in_from_the_last_frame_not_the_status_bar():
+    ctx = torch.zeros(1, 4, 4, 16, 20)
+    ctx[..., 12:, :] = 100.0  # the status bar's rows: a value no view cell holds
+    ctx[..., :12, :] = torch.arange(20.0)  # the view: its column index
+    codes = torch.full((1, 5, 2), A.NO_TURN, dtype=torch.long)
+    codes[0, -1, 1] = A.TURN_BUCKETS.index(8.0)
+    border = _warp_model()
+    assert (border.reference(ctx, codes)[..., :12, :] > 50).any()  # the edge fill reads status-bar rows
+    last = _warp_model(fill="last")
+    ref = last.reference(ctx, codes)
+    unseen = last.unseen[codes[0, -1, 1]]  # (view rows, w)
+    assert unseen.shape == (12, 20) and unseen.any()
+    assert torch.equal(ref[0, :, :12][:, unseen], ctx[0, -1, :, :12][:, unseen])  # unseen: the unturned frame
+    assert (ref[..., :12, :] < 50).all()  # no status bar painted into the view
+    assert torch.equal(ref[..., 12:, :], ctx[:, -1, :, 12:])  # and the status bar itself stays
+    seen = ~unseen
+    seen[9:] = False  # far from the view's bottom edge the bicubic kernel never reached the status bar
+    torch.testing.assert_close(ref[0, :, :12][:, seen], border.reference(ctx, codes)[0, :, :12][:, seen])
+    codes[0, -1, 1] = A.NO_TURN
+    assert torch.equal(last.reference(ctx, codes), ctx[:, -1]) and not last.unseen[A.NO_TURN].any()
+    with pytest.raises(ValueError, match="warp_fill"):
+        _warp_model(fill="zeros")
 
 
 def test_the_warped_model_reads_and_keeps_the_turned_frame():

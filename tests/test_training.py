@@ -320,9 +320,11 @@ def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_data
     # and a warped one continues with the other resampling, which its checkpoint keeps
     assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(out / "checkpoint"),
                                  "--out", str(tmp_path / "nearest"), "--steps", "2", "--batch", "2", "--max-frames",
-                                 "300", "--eval-every", "2", "--turn-warp", "--warp-mode", "nearest"]) == 0
+                                 "300", "--eval-every", "2", "--turn-warp", "--warp-mode", "nearest", "--warp-fill",
+                                 "last"]) == 0
     ck = Checkpoint(tmp_path / "nearest" / "checkpoint")
     assert ck.denoiser_cfg.warp_mode == "nearest" and ck.denoiser.warp_mode == "nearest"
+    assert ck.denoiser_cfg.warp_fill == "last" and ck.denoiser.unseen is not None
 
 
 def test_bench_prints_the_table_and_the_summary_line(tiny_checkpoint, capsys):
@@ -345,7 +347,8 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
 @pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"],
                                    ["--event-share", "1.5"], ["--drift", "-1"], ["--drift-share", "2"],
                                    ["--timesteps", "some"], ["--warp-mode", "cubic", "--turn-warp"],
-                                   ["--warp-mode", "nearest"]])
+                                   ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
+                                   ["--warp-fill", "last"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2

@@ -36,7 +36,7 @@ from neuraldoom.checkpoint import (
     save_checkpoint,
 )
 from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
-from neuraldoom.denoiser import WARP_MODES, Denoiser, build_denoiser, warp_settings
+from neuraldoom.denoiser import WARP_FILLS, WARP_MODES, Denoiser, build_denoiser, warp_settings
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.sampler import DDIMSampler, denoiser_pass
 from training import latents as L
@@ -90,6 +90,7 @@ class Args:
     # for a checkpoint without it (its weights unchanged). Off: it wins teacher-forced and over 128 steps but
     # its free play blows up to noise within 500-1,000 steps (docs/EXPERIMENTS.md)
     warp_mode: str = DenoiserConfig.warp_mode  # with --turn-warp: how the turn resamples (bicubic, nearest)
+    warp_fill: str = DenoiserConfig.warp_fill  # with --turn-warp: what fills the view a turn brings in (border, last)
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
@@ -97,8 +98,8 @@ class Args:
     # trained model goes on with more capacity instead of a wider one starting from scratch
 
 
-ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "block_out_channels",
-                "attention_heads", "cross_attention_dim", "widen")
+ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill",
+                "block_out_channels", "attention_heads", "cross_attention_dim", "widen")
 
 
 def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator,
@@ -222,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--timesteps must be all or plan, not {a.timesteps!r}")
         if a.warp_mode not in WARP_MODES:
             raise CheckpointError(f"--warp-mode must be one of {', '.join(WARP_MODES)}, not {a.warp_mode!r}")
-        if a.warp_mode != DenoiserConfig.warp_mode and not a.turn_warp:
-            raise CheckpointError("--warp-mode sets how --turn-warp resamples: give --turn-warp too")
+        if a.warp_fill not in WARP_FILLS:
+            raise CheckpointError(f"--warp-fill must be one of {', '.join(WARP_FILLS)}, not {a.warp_fill!r}")
+        if (a.warp_mode, a.warp_fill) != (DenoiserConfig.warp_mode, DenoiserConfig.warp_fill) and not a.turn_warp:
+            raise CheckpointError("--warp-mode and --warp-fill set how --turn-warp turns: give --turn-warp too")
         if a.schedule not in trainer.SCHEDULES:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
         if a.hud_weight <= 0:
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.turn_warp and not dcfg.turn_warp:
         dcfg = replace(dcfg, **warp_settings(game, AE.downsampling(ae)))
     if a.turn_warp:  # a warped checkpoint may be continued with the other resampling
-        dcfg = replace(dcfg, warp_mode=a.warp_mode)
+        dcfg = replace(dcfg, warp_mode=a.warp_mode, warp_fill=a.warp_fill)
     if dcfg.target == "delta" and init is None:  # unit-variance target: the std of one step's change
         dcfg = replace(dcfg, delta_scale=round(float(train.step_change_std()), 4))
     model = build_denoiser(dcfg, ae.config.latent_channels, hw)
