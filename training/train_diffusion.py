@@ -87,8 +87,8 @@ class Args:
     action_embed: bool = DenoiserConfig.action_embed
     turn_warp: bool = False  # the last frame turned by the current action as the change's reference
     # (DenoiserConfig.turn_warp from the game's frame skip and status bar); with --init-from, switches it on
-    # for a checkpoint without it (its weights unchanged). Off: it wins teacher-forced and over 128 steps but
-    # its free play blows up to noise within 500-1,000 steps (docs/EXPERIMENTS.md)
+    # for a checkpoint without it (its weights unchanged). With the "border" fill its free play blew up to noise
+    # within 250-1,000 steps; with --warp-fill last it holds (docs/EXPERIMENTS.md)
     warp_mode: str = DenoiserConfig.warp_mode  # with --turn-warp: how the turn resamples (bicubic, nearest)
     warp_fill: str = DenoiserConfig.warp_fill  # with --turn-warp: what fills the view a turn brings in (border, last)
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
