@@ -79,15 +79,13 @@ def turn_grids(degrees: tuple[float, ...], fov: float, rows: int, hw: tuple[int,
     return torch.stack(grids).float()
 
 
-def unseen_cells(grids: torch.Tensor, rows: int) -> torch.Tensor:
-    """(turns, h, w) bool: the view cells whose turned source lies outside the last frame's view (beyond its
-    left or right edge, or above or below its view rows): content a turn brings in that no frame held."""
+def unseen_cells(grids: torch.Tensor) -> torch.Tensor:
+    """(turns, h, w) bool: the cells whose turned source lies outside the image the `grids` sample (the view
+    rows, turned as an image of their own): content a turn brings in that no frame held."""
     h, w = grids.shape[1:3]
     col = (grids[..., 0] + 1) / 2 * w - 0.5  # source cell coordinates (align_corners=False)
     row = (grids[..., 1] + 1) / 2 * h - 0.5
-    view = (torch.arange(h) < rows)[None, :, None]
-    outside = (col < -0.5) | (col > w - 0.5) | (row < -0.5) | (row > rows - 0.5)
-    return outside & view
+    return (col < -0.5) | (col > w - 0.5) | (row < -0.5) | (row > h - 0.5)
 
 
 def warp_settings(game: GameConfig, factor: int) -> dict[str, Any]:
@@ -160,19 +158,19 @@ class Denoiser(nn.Module):
         self.still = list(cfg.turn_warp).index(0.0) if 0.0 in cfg.turn_warp else -1
         view = turn_grids(tuple(cfg.turn_warp), cfg.fov, cfg.warp_rows, (cfg.warp_rows, hw[1])) if last_fill else None
         self.register_buffer("view_grids", view, persistent=False)
-        self.register_buffer("unseen", unseen_cells(view, cfg.warp_rows) if last_fill else None, persistent=False)
+        self.register_buffer("unseen", unseen_cells(view) if last_fill else None, persistent=False)
 
     def reference(self, context: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The last context frame (B,C,h,w), turned by the current action when the model warps turns."""
         last = context[:, -1]
         if self.grids is None:
             return last
-        grid = self.grids[actions[:, -1, 1]].to(last.dtype)
+        turn = actions[:, -1, 1]
         # bicubic: two bilinear warps there and back lose ~4 dB more of the decoded frame than bicubic ones;
         # nearest: no resampling at all, the sub-cell rest of the turn is left to the model
         if self.unseen is None:
-            return F.grid_sample(last, grid, mode=self.warp_mode, padding_mode="border", align_corners=False)
-        turn = actions[:, -1, 1]
+            return F.grid_sample(last, self.grids[turn].to(last.dtype), mode=self.warp_mode, padding_mode="border",
+                                 align_corners=False)
         view = last[:, :, :self.view_rows]
         turned = F.grid_sample(view, self.view_grids[turn].to(last.dtype), mode=self.warp_mode,
                                padding_mode="border", align_corners=False)
