@@ -110,6 +110,8 @@ def load_model_dir(cls: Any, path: str | Path) -> Any:
 # autoencoder/         diffusers AutoencoderTiny (config.json + safetensors)
 # unet/                diffusers UNet2DConditionModel (EMA weights; float32, or float16 when exported --half)
 # action_encoder/      the action-token embedding (diffusers ModelMixin; the same precision)
+# flow/                optional (denoiser config "flow"): the learned motion of the view (neuraldoom/flow.py),
+#                      float32; the students move by it too
 # context.safetensors  the starting context: N real frames (uint8) + the N actions that led to them
 # students/N/          optional: a distilled N-step sampler's denoiser (unet/ + action_encoder/, float16 on
 #                      disk), guidance folded in; config.json "students" says how each was made
@@ -130,10 +132,12 @@ def weights_digest(module: Any, salt: str = "") -> str:
     return h.hexdigest()[:16]
 
 
-def _save_denoiser(denoiser: Any, folder: Path, half: bool) -> None:
+def _save_denoiser(denoiser: Any, folder: Path, half: bool, flow: bool = True) -> None:
     for name in ("unet", "action_encoder"):
         part = getattr(denoiser, name)
         (copy.deepcopy(part).half() if half else part).save_pretrained(str(folder / name), safe_serialization=True)
+    if flow and getattr(denoiser, "flow", None) is not None:  # float32 always: small, and its offsets are in cells
+        denoiser.flow.save_pretrained(str(folder / "flow"), safe_serialization=True)
 
 
 def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoiser_cfg: Any, sampler_cfg: Any,
@@ -152,7 +156,7 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
     ae.save_pretrained(str(tmp / "autoencoder"), safe_serialization=True)
     _save_denoiser(denoiser, tmp, half)
     for n, (model, _) in (students or {}).items():  # float16 on disk: half the bytes (loaded back as float32)
-        _save_denoiser(model, tmp / "students" / str(n), True)
+        _save_denoiser(model, tmp / "students" / str(n), True, flow=False)  # they move by the teacher's flow/
     save_file({"frames": torch.tensor(np.asarray(context_frames)),
                "actions": torch.as_tensor(context_actions, dtype=torch.int64).contiguous()},
               str(tmp / "context.safetensors"))
@@ -179,6 +183,7 @@ class Checkpoint:
         from . import actions as A
         from .config import DenoiserConfig, GameConfig, SamplerConfig, from_dict
         from .denoiser import ActionEncoder, Denoiser, frames_read
+        from .flow import FlowNet
 
         self.path = Path(path)
         if not self.path.is_dir():
@@ -205,7 +210,11 @@ class Checkpoint:
         self.ae = load_model_dir(AutoencoderTiny, self.path / "autoencoder").eval()
         unet = load_model_dir(UNet2DConditionModel, self.path / "unet")
         enc = load_model_dir(ActionEncoder, self.path / "action_encoder")
-        self.denoiser = Denoiser(unet, enc, self.denoiser_cfg).eval()
+        flow = load_model_dir(FlowNet, self.path / "flow") if self.denoiser_cfg.flow else None
+        try:
+            self.denoiser = Denoiser(unet, enc, self.denoiser_cfg, flow).eval()
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}/config.json: {e}") from None
         ctx, _ = load_state(self.path / "context.safetensors")
         if "frames" not in ctx or "actions" not in ctx:
             raise CheckpointError(f"{self.path / 'context.safetensors'} lacks frames/actions")
@@ -239,7 +248,7 @@ class Checkpoint:
             keys = ("in_channels", "out_channels", "block_out_channels", "cross_attention_dim", "time_cond_proj_dim")
             if any(unet.config.get(k) != self.denoiser.unet.config.get(k) for k in keys):
                 raise CheckpointError(f"{d}: its unet is not the teacher's architecture")
-            self._student_models[steps] = Denoiser(unet, enc, self.denoiser_cfg).eval()
+            self._student_models[steps] = Denoiser(unet, enc, self.denoiser_cfg, self.denoiser.flow).eval()
         return self._student_models[steps]
 
     def student_models(self) -> dict[int, tuple[Any, dict[str, Any]]]:

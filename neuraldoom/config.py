@@ -91,6 +91,8 @@ class DenoiserConfig:
     warp_fill: str = "border"  # what the turned frame holds where the turn brings in view the last frame never
     # had: "border" (its edge repeated, a smear up to a quarter of the view wide at 16° a step) or "last"
     # (the unturned last frame there, as a model without the warp sees it)
+    flow: bool = False  # a learned motion (neuraldoom/flow.py, its weights in the checkpoint's flow/) moves the
+    # turned view further by the depth-dependent shift of walking, strafing and momentum
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

@@ -22,6 +22,7 @@ from torch import nn
 from . import actions as A
 from . import metrics as M
 from .config import DenoiserConfig, GameConfig
+from .flow import FlowNet, offset_grid
 
 
 class ActionEncoder(ModelMixin, ConfigMixin):
@@ -130,7 +131,7 @@ class Denoiser(nn.Module):
     """UNet + action encoder. Predicts v (v-prediction) for the next frame's latent."""
 
     def __init__(self, unet: UNet2DConditionModel, action_encoder: ActionEncoder,
-                 cfg: DenoiserConfig | None = None) -> None:
+                 cfg: DenoiserConfig | None = None, flow: FlowNet | None = None) -> None:
         super().__init__()
         self.unet = unet
         self.action_encoder = action_encoder
@@ -159,6 +160,11 @@ class Denoiser(nn.Module):
         view = turn_grids(tuple(cfg.turn_warp), cfg.fov, cfg.warp_rows, (cfg.warp_rows, hw[1])) if last_fill else None
         self.register_buffer("view_grids", view, persistent=False)
         self.register_buffer("unseen", unseen_cells(view) if last_fill else None, persistent=False)
+        if flow is not None and not last_fill:
+            raise ValueError("a flow net moves the view on top of the turn warp: it needs turn_warp and "
+                             "warp_fill 'last'")
+        # frozen: trained alone (training/train_flow.py); a denoiser run must not bend it toward its own loss
+        self.flow = flow.requires_grad_(False).eval() if flow is not None else None
 
     def reference(self, context: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The last context frame (B,C,h,w), turned by the current action when the model warps turns."""
@@ -172,10 +178,15 @@ class Denoiser(nn.Module):
             return F.grid_sample(last, self.grids[turn].to(last.dtype), mode=self.warp_mode, padding_mode="border",
                                  align_corners=False)
         view = last[:, :, :self.view_rows]
-        turned = F.grid_sample(view, self.view_grids[turn].to(last.dtype), mode=self.warp_mode,
-                               padding_mode="border", align_corners=False)
-        turned = torch.where(self.unseen[turn][:, None] | (turn == self.still).view(-1, 1, 1, 1), view, turned)
-        return torch.cat([turned, last[:, :, self.view_rows:]], 2)
+        grid = self.view_grids[turn]
+        if self.flow is None:
+            keep = self.unseen[turn][:, None] | (turn == self.still).view(-1, 1, 1, 1)
+        else:  # the learned motion on top of the turn: nothing is exactly still while the player slides
+            grid = offset_grid(grid, self.flow(context[:, :, :, :self.view_rows], actions))
+            keep = unseen_cells(grid)[:, None]
+        turned = F.grid_sample(view, grid.to(last.dtype), mode=self.warp_mode, padding_mode="border",
+                               align_corners=False)
+        return torch.cat([torch.where(keep, view, turned), last[:, :, self.view_rows:]], 2)
 
     # The diffused variable. "delta" predicts the change from the reference (the last context frame as
     # the model saw it, turned by the current action if it warps turns), so an unsure model falls back to
@@ -207,6 +218,7 @@ class Denoiser(nn.Module):
                          return_dict=False)[0]
 
 
-def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> Denoiser:
+def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int],
+                   flow: FlowNet | None = None) -> Denoiser:
     return Denoiser(build_unet(cfg, latent_channels, latent_hw),
-                    ActionEncoder(cfg.cross_attention_dim, cfg.context + 1), cfg)
+                    ActionEncoder(cfg.cross_attention_dim, cfg.context + 1), cfg, flow)

@@ -162,6 +162,8 @@ def package_path(checkpoint: Path, dtype: torch.dtype = torch.float32, threads: 
     for d in ("unet", "action_encoder"):
         h.update((weights / d / "diffusion_pytorch_model.safetensors").read_bytes())
         h.update((weights / d / "config.json").read_bytes())
+    if (checkpoint / "flow").is_dir():  # the teacher's learned motion, which its students use too
+        h.update((checkpoint / "flow" / "diffusion_pytorch_model.safetensors").read_bytes())
     h.update((checkpoint / "autoencoder" / "config.json").read_bytes())  # the latent's shape
     h.update((checkpoint / "config.json").read_bytes())  # frames read, context length
     threads = torch.get_num_threads() if threads is None else threads

@@ -410,6 +410,56 @@ def test_a_turn_fills_what_it_brings_in_from_the_last_frame_not_the_status_bar()
         _warp_model(fill="zeros")
 
 
+def _flow_model(shift: float = 0.0):
+    from dataclasses import replace
+
+    from neuraldoom.flow import FlowNet
+
+    cfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", delta_scale=0.5, flow=True,
+                  turn_warp=tuple(2 * d for d in A.TURN_BUCKETS), warp_rows=12, warp_fill="last")
+    torch.manual_seed(0)
+    flow = FlowNet(latent_channels=4, frames=2, width=8)
+    with torch.no_grad():
+        flow.out.bias.copy_(torch.tensor([shift, 0.0]))  # every cell's source `shift` cells to the right
+    return build_denoiser(cfg, 4, (16, 20), flow).eval()
+
+
+def test_an_untrained_flow_is_the_turn_warp_alone():
+    moved, turned = _flow_model(), _warp_model(fill="last")
+    moved.unet.load_state_dict(turned.unet.state_dict())
+    ctx = torch.randn(2, 4, 4, 16, 20, generator=torch.Generator().manual_seed(2))
+    codes = torch.full((2, 5, 2), A.NO_TURN, dtype=torch.long)
+    codes[1, -1, 1] = A.TURN_BUCKETS.index(4.0)
+    torch.testing.assert_close(moved.reference(ctx, codes), turned.reference(ctx, codes), atol=1e-5, rtol=0)
+    assert not any(p.requires_grad for p in moved.flow.parameters())  # frozen inside a denoiser
+
+
+def test_the_flow_moves_the_view_by_its_offsets_and_keeps_the_status_bar():
+    m = _flow_model(shift=1.0)
+    ctx = torch.zeros(1, 4, 4, 16, 20)
+    ctx[..., :12, :] = torch.arange(20.0)  # the view: its column index
+    ctx[..., 12:, :] = 100.0  # the status bar
+    codes = torch.full((1, 5, 2), A.NO_TURN, dtype=torch.long)
+    ref = m.reference(ctx, codes)[0]
+    torch.testing.assert_close(ref[:, :12, :19], ctx[0, -1, :, :12, 1:])  # one cell left: the source is one right
+    assert torch.equal(ref[:, :12, 19], ctx[0, -1, :, :12, 19])  # no source: the last frame's cell
+    assert torch.equal(ref[:, 12:], ctx[0, -1, :, 12:])
+    # and the sampler's change is taken from the moved frame
+    x = torch.randn(1, 4, 16, 20, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(DDIMSampler(m, 4, 1.0, deadband=1e9)(x, ctx, codes), ref[None])
+
+
+def test_a_flow_needs_the_turn_warp_with_the_last_frame_fill():
+    from dataclasses import replace
+
+    from neuraldoom.flow import FlowNet
+
+    cfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", flow=True,
+                  turn_warp=tuple(2 * d for d in A.TURN_BUCKETS), warp_rows=12, warp_fill="border")
+    with pytest.raises(ValueError, match="warp_fill 'last'"):
+        build_denoiser(cfg, 4, (16, 20), FlowNet(latent_channels=4, width=8))
+
+
 def test_the_warped_model_reads_and_keeps_the_turned_frame():
     warped, plain = _warp_model(), _warp_model(plain=True)
     g = torch.Generator().manual_seed(1)

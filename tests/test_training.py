@@ -327,6 +327,43 @@ def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_data
     assert ck.denoiser_cfg.warp_fill == "last" and ck.denoiser.unseen is not None
 
 
+def test_the_learned_motion_trains_resumes_and_is_grafted_into_a_denoiser(tiny_checkpoint, tiny_dataset, tmp_path,
+                                                                           capsys):
+    from neuraldoom.checkpoint import load_model_dir
+    from neuraldoom.flow import FlowNet
+    from training import train_flow
+
+    flow_out = tmp_path / "flow"
+    common = ["--data", str(tiny_dataset), "--autoencoder", str(tiny_checkpoint / "autoencoder"), "--out",
+              str(flow_out), "--batch", "4", "--width", "8", "--eval-every", "2", "--max-frames", "300"]
+    assert train_flow.main([*common, "--steps", "3"]) == 0
+    assert "learned motion" in capsys.readouterr().out
+    first = load_model_dir(FlowNet, flow_out / "flow")
+    assert first.out.weight.abs().sum() > 0  # trained away from its zero start (the turn warp alone)
+    log = [json.loads(line) for line in (flow_out / "log.jsonl").read_text().splitlines()]
+    assert {"held_copy", "held_turn", "held_flow"} <= set(log[-1])
+    assert train_flow.main([*common, "--steps", "3"]) == 0  # done: a rerun resumes at the end, same weights
+    again = load_model_dir(FlowNet, flow_out / "flow")
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), again.parameters(), strict=True))
+    assert train_flow.main([*common[:-6], "--width", "16", "--steps", "4"]) == 2  # another architecture
+    assert "--width" in capsys.readouterr().err
+
+    out = tmp_path / "moved"
+    dm = ["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--steps", "2", "--batch", "2",
+          "--max-frames", "300", "--eval-every", "2"]
+    assert train_diffusion.main([*dm, "--out", str(tmp_path / "x"), "--flow", str(flow_out / "flow")]) == 2
+    assert "--turn-warp --warp-fill last" in capsys.readouterr().err
+    assert train_diffusion.main([*dm, "--out", str(out), "--turn-warp", "--warp-fill", "last", "--flow",
+                                 str(flow_out / "flow")]) == 0
+    ck = Checkpoint(out / "checkpoint")
+    assert ck.denoiser_cfg.flow and ck.denoiser.flow is not None
+    assert all(torch.equal(p, q) for p, q in zip(ck.denoiser.flow.parameters(), first.parameters(), strict=True))
+    # continued without --flow, the checkpoint keeps its motion
+    assert train_diffusion.main([*dm[:3], str(out / "checkpoint"), *dm[4:], "--out", str(tmp_path / "more")]) == 0
+    kept = Checkpoint(tmp_path / "more" / "checkpoint").denoiser.flow
+    assert all(torch.equal(p, q) for p, q in zip(kept.parameters(), first.parameters(), strict=True))
+
+
 def test_bench_prints_the_table_and_the_summary_line(tiny_checkpoint, capsys):
     from neuraldoom import bench
 

@@ -37,6 +37,7 @@ from neuraldoom.checkpoint import (
 )
 from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
 from neuraldoom.denoiser import WARP_FILLS, WARP_MODES, Denoiser, build_denoiser, warp_settings
+from neuraldoom.flow import FlowNet
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.sampler import DDIMSampler, denoiser_pass
 from training import latents as L
@@ -91,6 +92,9 @@ class Args:
     # within 250-1,000 steps; with --warp-fill last it holds (docs/EXPERIMENTS.md)
     warp_mode: str = DenoiserConfig.warp_mode  # with --turn-warp: how the turn resamples (bicubic, nearest)
     warp_fill: str = DenoiserConfig.warp_fill  # with --turn-warp: what fills the view a turn brings in (border, last)
+    flow: str = ""  # a learned motion's folder (training/train_flow.py's OUT/flow): grafted in, frozen, it moves
+    # the turned reference further by walking, strafing and momentum (needs --turn-warp --warp-fill last); a
+    # continued checkpoint that carries one keeps it
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
@@ -98,7 +102,7 @@ class Args:
     # trained model goes on with more capacity instead of a wider one starting from scratch
 
 
-ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill",
+ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill", "flow",
                 "block_out_channels", "attention_heads", "cross_attention_dim", "widen")
 
 
@@ -227,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--warp-fill must be one of {', '.join(WARP_FILLS)}, not {a.warp_fill!r}")
         if (a.warp_mode, a.warp_fill) != (DenoiserConfig.warp_mode, DenoiserConfig.warp_fill) and not a.turn_warp:
             raise CheckpointError("--warp-mode and --warp-fill set how --turn-warp turns: give --turn-warp too")
+        if a.flow and not (a.turn_warp and a.warp_fill == "last"):
+            raise CheckpointError("--flow moves the view on top of the turn warp: give --turn-warp --warp-fill last")
+        flow = load_model_dir(FlowNet, a.flow) if a.flow else (init.denoiser.flow if init else None)
+        if flow is not None and flow.config.latent_channels != ae.config.latent_channels:
+            raise CheckpointError(f"{a.flow}: the flow reads {flow.config.latent_channels} latent channels, the "
+                                  f"autoencoder makes {ae.config.latent_channels}")
         if a.schedule not in trainer.SCHEDULES:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
         if a.hud_weight <= 0:
@@ -270,10 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         dcfg = replace(dcfg, warp_mode=a.warp_mode, warp_fill=a.warp_fill)
     if dcfg.target == "delta" and init is None:  # unit-variance target: the std of one step's change
         dcfg = replace(dcfg, delta_scale=round(float(train.step_change_std()), 4))
-    model = build_denoiser(dcfg, ae.config.latent_channels, hw)
-    if init is not None:  # strict but for the action's zero map, when --action-embed grafts it on
+    dcfg = replace(dcfg, flow=flow is not None)
+    grafted = copy.deepcopy(flow.state_dict()) if flow is not None else None
+    try:
+        model = build_denoiser(dcfg, ae.config.latent_channels, hw, flow)
+    except ValueError as e:
+        print(f"train_diffusion: {e}", file=sys.stderr)
+        return 2
+    if init is not None:  # strict but for the action's zero map (--action-embed) and a flow net (--flow) grafted on
         missing, unexpected = model.load_state_dict(init.denoiser.state_dict(), strict=False)
-        if unexpected or set(missing) - {"unet.time_embedding.cond_proj.weight"}:
+        missing = {k for k in missing if not k.startswith("flow.")}
+        unexpected = [k for k in unexpected if not (a.flow and k.startswith("flow."))]
+        if grafted is not None:
+            model.flow.load_state_dict(grafted)  # --flow replaces the one the continued checkpoint carried
+        if unexpected or missing - {"unet.time_embedding.cond_proj.weight"}:
             print(f"train_diffusion: {a.init_from}: its weights do not fit (missing {missing}, unexpected "
                   f"{unexpected})", file=sys.stderr)
             return 2
@@ -322,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "event_share": a.event_share, "drift": a.drift,
-                 "drift_share": a.drift_share, "widen": a.widen, "timesteps": a.timesteps}
+                 "drift_share": a.drift_share, "widen": a.widen, "timesteps": a.timesteps, "flow": a.flow}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:

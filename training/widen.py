@@ -65,7 +65,7 @@ def widen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int, hw: tuple[
           jitter: float = 0.1, seed: int = 0) -> tuple[Denoiser, DenoiserConfig]:
     """A denoiser `factor` times as wide with the same function, and its config."""
     wide_cfg = widened_config(cfg, factor)
-    wide = build_denoiser(wide_cfg, latent_channels, hw)
+    wide = build_denoiser(wide_cfg, latent_channels, hw, model.flow)  # the frozen flow is shared, not widened
     if factor == 1:
         wide.load_state_dict(model.state_dict())
         return wide, wide_cfg
@@ -74,6 +74,8 @@ def widen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int, hw: tuple[
     feat = _feature_map(model.unet.time_proj, wide.unet.time_proj)
     with torch.no_grad():
         for name, new in wide.named_modules():
+            if name == "flow" or name.startswith("flow."):
+                continue
             old = old_mods[name]
             for pname, p in new.named_parameters(recurse=False):
                 w = getattr(old, pname).detach().float()
