@@ -93,6 +93,8 @@ class DenoiserConfig:
     # (the unturned last frame there, as a model without the warp sees it)
     flow: bool = False  # a learned motion (neuraldoom/flow.py, its weights in the checkpoint's flow/) moves the
     # turned view further by the depth-dependent shift of walking, strafing and momentum
+    flow_snap: float = 0.25  # the flow's offsets under this (latent cells) are zero: a still view stays exactly
+    # still instead of being resampled by tiny offsets at every step (it dissolved into noise within 64 steps)
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

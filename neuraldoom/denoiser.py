@@ -165,6 +165,7 @@ class Denoiser(nn.Module):
                              "warp_fill 'last'")
         # frozen: trained alone (training/train_flow.py); a denoiser run must not bend it toward its own loss
         self.flow = flow.requires_grad_(False).eval() if flow is not None else None
+        self.flow_snap = float(cfg.flow_snap)
 
     def reference(self, context: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The last context frame (B,C,h,w), turned by the current action when the model warps turns."""
@@ -182,7 +183,8 @@ class Denoiser(nn.Module):
         if self.flow is None:
             keep = self.unseen[turn][:, None] | (turn == self.still).view(-1, 1, 1, 1)
         else:  # the learned motion on top of the turn: nothing is exactly still while the player slides
-            grid = offset_grid(grid, self.flow(context[:, :, :, :self.view_rows], actions))
+            off = self.flow(context[:, :, :, :self.view_rows], actions)
+            grid = offset_grid(grid, torch.where(off.abs() < self.flow_snap, torch.zeros_like(off), off))
             keep = unseen_cells(grid)[:, None]
         turned = F.grid_sample(view, grid.to(last.dtype), mode=self.warp_mode, padding_mode="border",
                                align_corners=False)

@@ -447,6 +447,9 @@ def test_the_flow_moves_the_view_by_its_offsets_and_keeps_the_status_bar():
     # and the sampler's change is taken from the moved frame
     x = torch.randn(1, 4, 16, 20, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(DDIMSampler(m, 4, 1.0, deadband=1e9)(x, ctx, codes), ref[None])
+    # offsets under the snap are no motion at all: the view stays
+    small = _flow_model(shift=0.2)
+    torch.testing.assert_close(small.reference(ctx, codes), ctx[:, -1], atol=1e-5, rtol=0)
 
 
 def test_a_flow_needs_the_turn_warp_with_the_last_frame_fill():
