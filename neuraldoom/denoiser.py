@@ -89,6 +89,14 @@ def unseen_cells(grids: torch.Tensor) -> torch.Tensor:
     return (col < -0.5) | (col > w - 0.5) | (row < -0.5) | (row > h - 0.5)
 
 
+def move_view(view: torch.Tensor, grid: torch.Tensor, mode: str = "bicubic",
+              keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The view rows (B,C,rows,w) sampled by `grid` (B,rows,w,2); where `keep` (B,1,rows,w; default: the cells
+    whose source lies outside the view) is set, the view as it was: no edge smear, no status bar."""
+    moved = F.grid_sample(view, grid.to(view.dtype), mode=mode, padding_mode="border", align_corners=False)
+    return torch.where(unseen_cells(grid)[:, None] if keep is None else keep, view, moved)
+
+
 def warp_settings(game: GameConfig, factor: int) -> dict[str, Any]:
     """DenoiserConfig's turn_warp and warp_rows for a game: each turn bucket's degrees per tic times the tics
     of one step, and the latent rows (of `factor` pixels) wholly above the status bar, or the whole frame."""
@@ -182,13 +190,12 @@ class Denoiser(nn.Module):
         grid = self.view_grids[turn]
         if self.flow is None:
             keep = self.unseen[turn][:, None] | (turn == self.still).view(-1, 1, 1, 1)
+            turned = move_view(view, grid, self.warp_mode, keep)
         else:  # the learned motion on top of the turn: nothing is exactly still while the player slides
             off = self.flow(context[:, :, :, :self.view_rows], actions)
-            grid = offset_grid(grid, torch.where(off.abs() < self.flow_snap, torch.zeros_like(off), off))
-            keep = unseen_cells(grid)[:, None]
-        turned = F.grid_sample(view, grid.to(last.dtype), mode=self.warp_mode, padding_mode="border",
-                               align_corners=False)
-        return torch.cat([torch.where(keep, view, turned), last[:, :, self.view_rows:]], 2)
+            off = torch.where(off.abs() < self.flow_snap, torch.zeros_like(off), off)
+            turned = move_view(view, offset_grid(grid, off), self.warp_mode)
+        return torch.cat([turned, last[:, :, self.view_rows:]], 2)
 
     # The diffused variable. "delta" predicts the change from the reference (the last context frame as
     # the model saw it, turned by the current action if it warps turns), so an unsure model falls back to

@@ -13,6 +13,7 @@ held-out MSE of copying the last frame, of the turn warp alone and of the learne
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from diffusers import AutoencoderTiny
 from neuraldoom import autoencoder as AE
 from neuraldoom.checkpoint import CheckpointError, load_model_dir, save_model_dir
 from neuraldoom.config import DenoiserConfig, parse_args
-from neuraldoom.denoiser import turn_grids, unseen_cells, warp_settings
+from neuraldoom.denoiser import move_view, turn_grids, warp_settings
 from neuraldoom.flow import FlowNet, offset_grid
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from training import latents as L
@@ -58,7 +59,7 @@ ARCHITECTURE = ("frames", "width")
 
 
 class Mover(torch.nn.Module):
-    """The net with the fixed turn grids: moves a batch's last frame and reports the three predictions."""
+    """The net with the fixed turn grids: moves a batch's last frame as the denoiser's reference does."""
 
     def __init__(self, net: FlowNet, grids: torch.Tensor, rows: int) -> None:
         super().__init__()
@@ -69,16 +70,11 @@ class Mover(torch.nn.Module):
         """(moved view rows, offsets) of the last context frame."""
         view = ctx[:, :, :, :self.rows]
         off = self.net(view, codes)
-        grid = offset_grid(self.grids[codes[:, -1, 1]], off)
-        moved = F.grid_sample(view[:, -1], grid, mode="bicubic", padding_mode="border", align_corners=False)
-        return torch.where(unseen_cells(grid)[:, None], view[:, -1], moved), off
+        return move_view(view[:, -1], offset_grid(self.grids[codes[:, -1, 1]], off)), off
 
-
-def turn_only(mover: Mover, ctx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    view = ctx[:, -1, :, :mover.rows]
-    grid = mover.grids[codes[:, -1, 1]]
-    moved = F.grid_sample(view, grid, mode="bicubic", padding_mode="border", align_corners=False)
-    return torch.where(unseen_cells(grid)[:, None], view, moved)
+    def turned(self, ctx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """The last context frame's view rows turned alone (the baseline the net adds to)."""
+        return move_view(ctx[:, -1, :, :self.rows], self.grids[codes[:, -1, 1]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             z, ctx, codes = held.window(held_idx[i:i + 128], 1, a.frames)
             want = z[:, :, :rows]
             sums["copy"] += F.mse_loss(ctx[:, -1, :, :rows], want, reduction="sum").item()
-            sums["turn"] += F.mse_loss(turn_only(mover, ctx, codes), want, reduction="sum").item()
+            sums["turn"] += F.mse_loss(mover.turned(ctx, codes), want, reduction="sum").item()
             sums["flow"] += F.mse_loss(mover(ctx, codes)[0], want, reduction="sum").item()
         net.train()
         n = len(held_idx) * want[0].numel()
@@ -138,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         trainer.save_run(state_path, net, opt, ema, prog.step, prog.seen, prog.seconds, a)
-        shipped = FlowNet(ae.config.latent_channels, a.frames, a.width)
-        shipped.load_state_dict(net.state_dict())
+        shipped = copy.deepcopy(net).eval()
         ema.copy_to(shipped.parameters())
         save_model_dir(shipped, out / "flow")
 
