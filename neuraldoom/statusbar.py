@@ -48,6 +48,17 @@ DEFAULT_PATH = Path(__file__).parent / "assets" / "statusbar.safetensors"
 _VAR = {n: GAME_VARIABLES.index(n) for n in ("SELECTED_WEAPON_AMMO", "HEALTH", "ARMOR", "SELECTED_WEAPON")}
 
 
+def number_mask(height: int, width: int) -> np.ndarray | None:
+    """(height, width) bool: the pixels of the three numbers' digit cells; None where the reader does not
+    apply (frames not 160x120). What the trainers weight: a few percent of the frame that is game state."""
+    if (height, width) != FRAME_SHAPE[:2]:
+        return None
+    m = np.zeros((height, width), bool)
+    for x0 in FIELD_X:
+        m[ROWS[0]:ROWS[1], x0:x0 + 3 * CELL_W] = True
+    return m
+
+
 def _check(frames: np.ndarray) -> np.ndarray:
     frames = np.asarray(frames)  # a memmap stays a view: nothing is read yet
     if frames.ndim != 4 or frames.shape[1:] != FRAME_SHAPE:

@@ -434,12 +434,24 @@ def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):
     def loss(weight):
         with torch.no_grad():
             return float(train_diffusion.diffusion_loss(den, sched, batch, cfg, 0.0, torch.Generator().manual_seed(1),
-                                                        torch.device("cpu"), row_weight=weight))
+                                                        torch.device("cpu"), weight=weight))
 
     plain = loss(None)
-    assert loss(torch.full((h,), 3.0)) == pytest.approx(plain, rel=1e-6)  # normalised: a uniform weight is none
-    hud = loss(1 + 9 * train_diffusion.hud_rows(h, 8, 120).float())
+    assert loss(torch.full((h, w), 3.0)) == pytest.approx(plain, rel=1e-6)  # normalised: a uniform weight is none
+    assert train_diffusion.loss_weights((h, w), 8, (120, 160), 1.0, 1.0) is None
+    hud = loss(train_diffusion.loss_weights((h, w), 8, (120, 160), 10.0, 1.0))
     assert hud != pytest.approx(plain, rel=1e-3)
+
+
+def test_the_number_cells_weighted_are_the_ones_the_digits_are_drawn_in():
+    # 4x latents of a 160x120 frame padded to 128 rows: digit rows 102-111 are latent rows 25-27, and the
+    # ammo, health and armor cells (x 1-22, 24-45, 90-111) are latent columns 0-5, 6-11 and 22-27
+    cells = train_diffusion.number_cells((32, 40), 4, (120, 160))
+    assert cells.nonzero()[:, 0].unique().tolist() == [25, 26, 27]
+    assert cells.nonzero()[:, 1].unique().tolist() == [*range(0, 12), *range(22, 28)]
+    w = train_diffusion.loss_weights((32, 40), 4, (120, 160), 2.0, 30.0)
+    assert w[cells].eq(30).all() and w[28, 30] == 2 and w[0, 0] == 1  # numbers, the rest of the bar, the view
+    assert not train_diffusion.number_cells((16, 20), 8, (96, 128)).any()  # no reader: nothing weighted
 
 
 def test_drift_offsets_are_smooth_casts_on_a_share_of_the_batch():

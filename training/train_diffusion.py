@@ -29,6 +29,7 @@ from diffusers import AutoencoderTiny, DDPMScheduler
 from neuraldoom import actions as A
 from neuraldoom import autoencoder as AE
 from neuraldoom import metrics as M
+from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -72,6 +73,8 @@ class Args:
     # slowly off the data's colours (a channel's mean wanders by several stds over ~500 steps, then the view
     # blows out), and the white noise of the augmentation never shows the model a drifted context
     drift_share: float = 0.25  # the best trade of 0.1 / 0.25 / 0.5 at 40 minutes (docs/EXPERIMENTS.md)
+    digit_weight: float = 1.0  # loss weight of the latent cells that draw the status bar's numbers (160x120): the
+    # ammo count is ~18 of 1,280 cells, and a model trained with them alike never drew it going down
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (latents.status_events): random play spends ammo in 5% of its steps, and the model never drew it
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's) or "plan" (only
@@ -136,15 +139,36 @@ def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
     return ((rows + 1) * factor > M.hud_top(frame_h)) & (rows * factor < frame_h)
 
 
+def number_cells(latent_hw: tuple[int, int], factor: int, frame_hw: tuple[int, int]) -> torch.Tensor:
+    """(h, w) bool: the latent cells that draw any pixel of the status bar's numbers (none where the
+    reader does not apply)."""
+    h, w = latent_hw
+    px = np.zeros((h * factor, w * factor), bool)
+    m = SB.number_mask(*frame_hw)
+    if m is not None:
+        px[: m.shape[0], : m.shape[1]] = m
+    return torch.from_numpy(px.reshape(h, factor, w, factor).any((1, 3)))
+
+
+def loss_weights(latent_hw: tuple[int, int], factor: int, frame_hw: tuple[int, int], hud_weight: float,
+                 digit_weight: float) -> torch.Tensor | None:
+    """(h, w) per-cell loss weights (None: all alike): the status bar's rows ×hud_weight, its number cells
+    ×digit_weight."""
+    if hud_weight == 1 and digit_weight == 1:
+        return None
+    w = 1 + (hud_weight - 1) * hud_rows(latent_hw[0], factor, frame_hw[0]).float()[:, None].expand(latent_hw)
+    return torch.where(number_cells(latent_hw, factor, frame_hw), torch.tensor(float(digit_weight)), w)
+
+
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
-                   clean_share: float = 0.0, row_weight: torch.Tensor | None = None, drift: float = 0.0,
+                   clean_share: float = 0.0, weight: torch.Tensor | None = None, drift: float = 0.0,
                    drift_share: float = 0.0, levels: torch.Tensor | None = None) -> torch.Tensor:
     """The v-prediction loss of one batch. A "delta" target is taken against the reference (the last
     context frame, turned by the current action when the model warps turns) as the model sees it
     (`reference="seen"`: noise-augmented, so the target also asks it to remove that noise) or as it was
     (`"clean"`: static content is exactly zero change at every noise level).
-    row_weight (h,): per latent row, normalised to mean 1 (None: all rows alike). drift: see drift_offsets;
+    weight (h, w): per latent cell, normalised to mean 1 (None: all cells alike). drift: see drift_offsets;
     the offset is on every context frame and on the reference, so the target is the change plus the way back.
     levels: the timesteps to draw from (None: all of the schedule's)."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
@@ -166,10 +190,10 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     v = sched.get_velocity(target, eps, t)  # eq. 1: v-prediction
     pred = model(noisy.to(device), t.to(device), ctx.to(device), codes.to(device), bucket.to(device))
     err = (pred.float() - v.to(device)).pow(2)
-    if row_weight is None:
+    if weight is None:
         return err.mean()
-    w = row_weight.to(device)
-    return (err * (w / w.mean()).view(1, 1, -1, 1)).mean()
+    w = weight.to(device)
+    return (err * (w / w.mean())).mean()
 
 
 def with_own_frames(model: Denoiser, sampler: DDIMSampler, data: L.LatentSet, idx: torch.Tensor, batch: tuple,
@@ -239,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"autoencoder makes {ae.config.latent_channels}")
         if a.schedule not in trainer.SCHEDULES:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
-        if a.hud_weight <= 0:
-            raise CheckpointError(f"--hud-weight must be > 0, not {a.hud_weight}")
+        if a.hud_weight <= 0 or a.digit_weight <= 0:
+            raise CheckpointError(f"--hud-weight and --digit-weight must be > 0, not {a.hud_weight}, {a.digit_weight}")
         if not 0 <= a.event_share <= 1:
             raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
         if a.drift < 0 or not 0 <= a.drift_share <= 1:
@@ -317,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
     own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
     levels = torch.tensor([t for t, _, _ in own_sampler.plan]) if a.timesteps == "plan" else None
-    row_weight = None
-    if a.hud_weight != 1:
-        row_weight = 1 + (a.hud_weight - 1) * hud_rows(hw[0], AE.downsampling(ae), game.height).float()
+    weight = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight)
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
 
     @torch.no_grad()
@@ -341,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
-                 "hud_weight": a.hud_weight, "event_share": a.event_share, "drift": a.drift,
-                 "drift_share": a.drift_share, "widen": a.widen, "timesteps": a.timesteps, "flow": a.flow}
+                 "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "event_share": a.event_share,
+                 "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen,
+                 "timesteps": a.timesteps, "flow": a.flow}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
@@ -357,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
-                              a.clean_share, row_weight, a.drift, a.drift_share, levels)
+                              a.clean_share, weight, a.drift, a.drift_share, levels)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
