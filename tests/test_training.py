@@ -191,6 +191,10 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
         assert 0 <= rep["ar_copy_last_statusbar_acc"] <= 1
     assert (out / "ar_psnr.png").stat().st_size > 0 and (out / "grid.png").stat().st_size > 0
     assert sum(v["n"] for v in rep["tf_by_motion"].values()) == 4
+    # the held-out play spends ammo: targets where the bar changes, which a bar held still never reads right
+    assert 0 < rep["n_events"] <= 32 and rep["event_copy_last_statusbar_acc"] == 0.0
+    assert 0 <= rep["event_statusbar_acc"] <= 1 and set(rep["event_statusbar_fields"]) == {"ammo", "health", "armor"}
+    assert Image.open(out / "events.png").size[0] == 3 * 160
     assert "copy-last-frame PSNR" in capsys.readouterr().out
 
 

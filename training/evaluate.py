@@ -22,6 +22,10 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
   length) and NOOP for --still-steps: the real game keeps showing that frame (only monsters and animated
   sprites move), so each generated frame is scored against it (still_psnr, still_sharpness per step;
   still_ae_psnr is the autoencoder's ceiling). OUT/still.png: the frame, then steps 1, 4, 16, 64.
+- the status bar where its numbers change (--events N, 32 by default; last, so the rows above draw the
+  same noise as before it existed): teacher-forced on N held-out targets whose bar reads other numbers
+  than the frame before (ammo spent, health lost or picked up), event_statusbar_acc against copy-last's
+  (a bar that never changes). OUT/events.png: the numbers' rows of the last context frame | real next | model next.
 - free play (--free-steps N, off by default: 1,000 take ~12 minutes on one core): from the checkpoint's
   own start, N steps of the straight and the sticky policy (training.rollout_strip), seeds 0 and 1. With
   no real frames to score against, the frames at N/4, N/2, 3N/4 and N (free_steps) are measured against
@@ -72,6 +76,7 @@ class Args:
     still: int = 4  # still views (0: none)
     still_steps: int = 64
     free_steps: int = 0  # free play of this many steps (module doc); 0: none
+    events: int = 32  # teacher-forced targets where the status bar's numbers change (module doc); 0: none
     threads: int = 1
 
 
@@ -261,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     report["n_rollouts"] = len(starts)
     report.update(still_views(eng, ckpt.ae, real[: a.still], a.still_steps, out))
     report.update(free_runs(eng, a.free_steps, out))
+    if sb:  # last: the rows above draw the engine's noise exactly as before this was measured
+        report.update(event_targets(eng, recs, a.events, np.random.default_rng(a.seed + 1), out))
     write_text(out / "report.json", json.dumps(report, indent=2))
     _plots(out, report, prev, real, gen, ar_real, ar_gen, alive)
 
@@ -290,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         if t <= len(report["still_psnr"]):
             rows.append((f"still view, step {t}: PSNR / sharpness (autoencoder {report['still_ae_psnr']:.2f})",
                          f"{report['still_psnr'][t - 1]:.2f} / {report['still_sharpness'][t - 1]:.2f}"))
+    if report.get("n_events"):
+        rows.append((f"status bar read right where its numbers change (n={report['n_events']}): model / copy-last",
+                     f"{_fmt(report['event_statusbar_acc'])} / {_fmt(report['event_copy_last_statusbar_acc'])}"))
     for name, run in report["free"].items():
         rows.append((f"free play {name}, steps {'/'.join(map(str, report['free_steps']))}: sharpness, colour cast",
                      " / ".join(f"{x:.2f}" for x in run["sharpness"]) + ", " +
@@ -320,6 +330,48 @@ def still_views(eng: NeuralEngine, ae: Any, views: np.ndarray, T: int, out: Path
     return {"still_psnr": [M.psnr(gen[:, t], ref[:, t]) for t in range(T)],
             "still_sharpness": [M.sharpness(gen[:, t], ref[:, t]) for t in range(T)],
             "still_ae_psnr": evaluate_autoencoder(ae, views)["psnr"], "n_still": len(views)}
+
+
+def bar_changes(rec: Recording) -> np.ndarray:
+    """(N,) bool: the frames whose status bar reads other numbers than the frame before in its episode
+    (the reader reads every real frame right; the recorded variables cannot say which of a step's two
+    tics a frame shows, statusbar.shown_values)."""
+    vals = SB.default_reader().read(rec.frames)
+    ep = np.asarray(rec.steps["episode"])
+    out = np.zeros(len(vals), bool)
+    out[1:] = (vals[1:] != vals[:-1]).any(1) & (ep[1:] == ep[:-1])
+    return out
+
+
+def event_targets(eng: NeuralEngine, recs: list[Recording], n: int, rng: np.random.Generator,
+                  out: Path) -> dict[str, Any]:
+    """Teacher-forced on n held-out targets where the status bar's numbers change (ammo spent, health lost
+    or picked up: bar_changes): the bar read right there, and copy-last's (a bar that never changes).
+    OUT/events.png: the numbers' rows of the last context frame | real next | model next."""
+    from PIL import Image
+
+    targets = [(r, i) for r in recs for i in np.flatnonzero(bar_changes(r))]
+    if n < 1 or not targets:
+        return {"n_events": 0}
+    ctx = eng.ckpt.denoiser_cfg.context
+    gen, prev, real, vals = [], [], [], []
+    for k in rng.choice(len(targets), min(n, len(targets)), replace=False):
+        r, i = targets[k]
+        frames, acts = history(r, int(i), ctx)
+        eng.set_context(frames, acts)
+        gen.append(eng.step(A.Action.from_code(r.actions[i - 1])))
+        prev.append(frames[-1])
+        real.append(np.asarray(r.frames[i]))
+        vals.append(SB.frame_values(r, [i])[0])
+    gen, prev, real, vals = map(np.stack, (gen, prev, real, vals))
+    ok, ok_copy = statusbar_ok(gen, vals), statusbar_ok(prev, vals)
+    band = slice(SB.ROWS[0] - 4, SB.ROWS[1] + 4)  # the numbers' rows and a little around them
+    strip = np.concatenate([np.concatenate([f[band] for f in x], 1)
+                            for x in zip(prev[:8], real[:8], gen[:8], strict=True)], 0)
+    with atomic_path(out / "events.png") as tmp:
+        Image.fromarray(strip).save(tmp)
+    return {"n_events": len(gen), "event_statusbar_acc": _fraction(ok), "event_statusbar_fields": _fields(ok),
+            "event_copy_last_statusbar_acc": _fraction(ok_copy)}
 
 
 def free_runs(eng: NeuralEngine, steps: int, out: Path) -> dict[str, Any]:
