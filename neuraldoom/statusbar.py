@@ -236,6 +236,20 @@ def frame_values(rec: Any, rows: np.ndarray | None = None) -> np.ndarray:
     return np.stack([vars_values(variables[prev]), vars_values(variables[rows])], 1)
 
 
+def bar_changes(frames: np.ndarray, episode: np.ndarray) -> np.ndarray:
+    """(N,) bool: the frames whose bar reads other numbers than the frame before in their episode (ammo
+    spent, health lost or picked up). Read off the frames, which the reader reads right: the recorded
+    variables cannot say which of a step's two tics a frame shows (shown_values), and a test on them
+    flags twice as many steps as the bar shows changing. All False where the reader does not apply."""
+    episode = np.asarray(episode)  # frames may be a recording's memmap: the reader reads only the digit rows
+    out = np.zeros(len(episode), bool)
+    if len(episode) < 2 or tuple(frames.shape[1:]) != FRAME_SHAPE:
+        return out
+    vals = default_reader().read(frames)
+    out[1:] = (vals[1:] != vals[:-1]).any(1) & (episode[1:] == episode[:-1])
+    return out
+
+
 def sample_recordings(recs: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
     """Up to n (frame, (2, 3) shown-value candidates) pairs spread evenly over the recordings' rows."""
     recs = [r for r in recs if len(r)]

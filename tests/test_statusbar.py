@@ -94,3 +94,16 @@ def test_wrong_frame_size_raises():
     for shape in ((2, 240, 320, 3), (120, 160, 3), (2, 120, 160)):
         with pytest.raises(ValueError, match="160x120"):
             reader.read(np.zeros(shape, np.uint8))
+
+
+def test_bar_changes_flags_the_frames_whose_numbers_change(played):
+    frames, values = played
+    one = np.zeros(len(frames), int)
+    flags = S.bar_changes(frames, one)
+    ammo = values[:, 0, 0]  # a frame shows the ammo of the row before (shown_values)
+    assert flags[1:][ammo[1:] != ammo[:-1]].all() and not flags[0]
+    assert not flags[1:][~(values[1:] != values[:-1]).any((1, 2))].any()  # nothing changed: nothing flagged
+    assert 0 < flags.mean() < 0.3
+    k = int(np.flatnonzero(flags)[0])
+    assert not S.bar_changes(frames, (np.arange(len(frames)) >= k).astype(int))[k]  # a new episode is no change
+    assert not S.bar_changes(frames[:, :96], one).any()  # no status bar to read

@@ -332,25 +332,14 @@ def still_views(eng: NeuralEngine, ae: Any, views: np.ndarray, T: int, out: Path
             "still_ae_psnr": evaluate_autoencoder(ae, views)["psnr"], "n_still": len(views)}
 
 
-def bar_changes(rec: Recording) -> np.ndarray:
-    """(N,) bool: the frames whose status bar reads other numbers than the frame before in its episode
-    (the reader reads every real frame right; the recorded variables cannot say which of a step's two
-    tics a frame shows, statusbar.shown_values)."""
-    vals = SB.default_reader().read(rec.frames)
-    ep = np.asarray(rec.steps["episode"])
-    out = np.zeros(len(vals), bool)
-    out[1:] = (vals[1:] != vals[:-1]).any(1) & (ep[1:] == ep[:-1])
-    return out
-
-
 def event_targets(eng: NeuralEngine, recs: list[Recording], n: int, rng: np.random.Generator,
                   out: Path) -> dict[str, Any]:
     """Teacher-forced on n held-out targets where the status bar's numbers change (ammo spent, health lost
-    or picked up: bar_changes): the bar read right there, and copy-last's (a bar that never changes).
+    or picked up: statusbar.bar_changes): the bar read right there, and copy-last's (a bar that never changes).
     OUT/events.png: the numbers' rows of the last context frame | real next | model next."""
     from PIL import Image
 
-    targets = [(r, i) for r in recs for i in np.flatnonzero(bar_changes(r))]
+    targets = [(r, i) for r in recs for i in np.flatnonzero(SB.bar_changes(r.frames, r.steps["episode"]))]
     if n < 1 or not targets:
         return {"n_events": 0}
     ctx = eng.ckpt.denoiser_cfg.context

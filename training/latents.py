@@ -29,7 +29,8 @@ def encoder_digest(ae: AutoencoderTiny) -> str:
 
 class LatentSet:
     """Latents (M, C, h, w) fp16, action codes (M, 2), episode start row (M,), target-able rows, and
-    optionally which rows are events: the status bar's numbers change there (M,) bool."""
+    optionally which rows are events: the status bar's numbers change there (M,) bool; random play
+    changes them in ~5% of its steps (statusbar.bar_changes), and the denoiser must draw them itself."""
 
     def __init__(self, z: torch.Tensor, actions: np.ndarray, ep_start: np.ndarray, valid: np.ndarray,
                  events: np.ndarray | None = None) -> None:
@@ -98,17 +99,7 @@ def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int) -> Late
         valid = np.ones(n, bool)
         valid[first] = False  # an episode's first frame has no previous frame to predict it from
         ts.append(valid)
-        evs.append(status_events(np.asarray(steps["vars"]), ep))
+        evs.append(SB.bar_changes(r.frames[:n], ep))
         offset += n
     return LatentSet(torch.cat(zs), np.concatenate(acts), np.concatenate(starts), np.concatenate(ts),
                      np.concatenate(evs))
-
-
-def status_events(variables: np.ndarray, episode: np.ndarray) -> np.ndarray:
-    """(N,) bool: the rows whose status bar shows other numbers than the row before (ammo spent, health
-    lost or picked up; 5% of random play). The denoiser must draw these changes itself in play, and
-    uniform sampling shows it few of them."""
-    shown = SB.shown_values(variables, episode)  # (N, 2, 3) candidates [row - 1, row]
-    ev = np.zeros(len(shown), bool)
-    ev[1:] = (shown[1:] != shown[:-1]).any((1, 2)) & (episode[1:] == episode[:-1])
-    return ev

@@ -76,7 +76,7 @@ class Args:
     digit_weight: float = 1.0  # loss weight of the latent cells that draw the status bar's numbers (160x120): the
     # ammo count is ~18 of 1,280 cells, and a model trained with them alike never drew it going down
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
-    # change (latents.status_events): random play spends ammo in 5% of its steps, and the model never drew it
+    # change (statusbar.bar_changes): random play spends ammo in ~5% of its steps, and the model never drew it
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's) or "plan" (only
     # the sampler's: play and the students' teacher ask for no other, so every sample trains one that is used)
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
