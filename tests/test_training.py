@@ -512,7 +512,7 @@ def test_the_status_bar_events_are_the_rows_whose_numbers_change(tiny_ae, tiny_d
     from training import latents as L
 
     ae = load_model_dir(AutoencoderTiny, tiny_ae / "autoencoder")
-    data = L.build(ae, tiny_dataset / "train", tmp_path / "latents", 0)
+    data = L.build(ae, tiny_dataset / "train", tmp_path / "latents", 0, events=True)
     recs = [r for r in open_dataset(tiny_dataset / "train") if len(r)]
     shown = np.concatenate([SB.frame_values(r) for r in recs])
     read = np.concatenate([SB.default_reader().read(r.frames) for r in recs])

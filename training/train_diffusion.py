@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
         ae.to(acc.device)  # encode on the accelerator when there is one; the checkpoint keeps a CPU copy
         with acc.main_process_first():  # the main process encodes into the cache, the others then read it
-            train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames)
+            train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames, events=a.event_share > 0)
             held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
         ae.cpu()
     except (CheckpointError, RecordingError) as e:
