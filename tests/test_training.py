@@ -389,7 +389,7 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
                                    ["--event-share", "1.5"], ["--drift", "-1"], ["--drift-share", "2"],
                                    ["--timesteps", "some"], ["--warp-mode", "cubic", "--turn-warp"],
                                    ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
-                                   ["--warp-fill", "last"]])
+                                   ["--warp-fill", "last"], ["--digit-scope", "some"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
@@ -443,8 +443,14 @@ def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):
     plain = loss(None)
     assert loss(torch.full((h, w), 3.0)) == pytest.approx(plain, rel=1e-6)  # normalised: a uniform weight is none
     assert train_diffusion.loss_weights((h, w), 8, (120, 160), 1.0, 1.0) is None
-    hud = loss(train_diffusion.loss_weights((h, w), 8, (120, 160), 10.0, 1.0))
+    hud_w = train_diffusion.loss_weights((h, w), 8, (120, 160), 10.0, 1.0)
+    hud = loss(hud_w)
     assert hud != pytest.approx(plain, rel=1e-3)
+    # per-sample weights (--digit-scope events): the same weight on every sample is the (h, w) one; a weight
+    # on the first sample alone is another loss
+    assert loss(torch.stack([hud_w, hud_w])) == pytest.approx(hud, rel=1e-6)
+    first = loss(torch.stack([hud_w, torch.ones(h, w)]))
+    assert first != pytest.approx(hud, rel=1e-3) and first != pytest.approx(plain, rel=1e-3)
 
 
 def test_the_number_cells_weighted_are_the_ones_the_digits_are_drawn_in():
@@ -533,7 +539,8 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
             "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
             "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
             "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine",
-            "--hud-weight", "4", "--event-share", "0.5", "--timesteps", "plan", *TINY_DM]
+            "--hud-weight", "4", "--event-share", "0.5", "--timesteps", "plan", "--digit-weight", "30",
+            "--digit-scope", "events", *TINY_DM]
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
     assert ck.config["notes"]["timesteps"] == "plan"

@@ -75,6 +75,8 @@ class Args:
     drift_share: float = 0.25  # the best trade of 0.1 / 0.25 / 0.5 at 40 minutes (docs/EXPERIMENTS.md)
     digit_weight: float = 1.0  # loss weight of the latent cells that draw the status bar's numbers (160x120): the
     # ammo count is ~18 of 1,280 cells, and a model trained with them alike never drew it going down
+    digit_scope: str = "all"  # the samples whose number cells take --digit-weight: "all", or "events" (only the
+    # --event-share drawn where the numbers change: the rest copy the bar, and their weight is taken from the view)
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (statusbar.bar_changes): random play spends ammo in ~5% of its steps, and the model never drew it
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's) or "plan" (only
@@ -168,8 +170,9 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     context frame, turned by the current action when the model warps turns) as the model sees it
     (`reference="seen"`: noise-augmented, so the target also asks it to remove that noise) or as it was
     (`"clean"`: static content is exactly zero change at every noise level).
-    weight (h, w): per latent cell, normalised to mean 1 (None: all cells alike). drift: see drift_offsets;
-    the offset is on every context frame and on the reference, so the target is the change plus the way back.
+    weight (h, w) or (B, h, w): per latent cell (and sample), normalised to mean 1 (None: all cells alike).
+    drift: see drift_offsets; the offset is on every context frame and on the reference, so the target is the
+    change plus the way back.
     levels: the timesteps to draw from (None: all of the schedule's)."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
@@ -193,6 +196,7 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     if weight is None:
         return err.mean()
     w = weight.to(device)
+    w = w[:, None] if w.dim() == 3 else w
     return (err * (w / w.mean())).mean()
 
 
@@ -265,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--schedule must be one of {', '.join(trainer.SCHEDULES)}, not {a.schedule!r}")
         if a.hud_weight <= 0 or a.digit_weight <= 0:
             raise CheckpointError(f"--hud-weight and --digit-weight must be > 0, not {a.hud_weight}, {a.digit_weight}")
+        if a.digit_scope not in ("all", "events"):
+            raise CheckpointError(f"--digit-scope must be all or events, not {a.digit_scope!r}")
         if not 0 <= a.event_share <= 1:
             raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
         if a.drift < 0 or not 0 <= a.drift_share <= 1:
@@ -342,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
     levels = torch.tensor([t for t, _, _ in own_sampler.plan]) if a.timesteps == "plan" else None
     weight = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight)
+    k_events = int(round(a.event_share * a.batch)) if a.event_share and len(train.event_targets) else 0
+    if weight is not None and a.digit_scope == "events":  # the weighted cells only on the event samples
+        plain = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, 1.0)
+        plain = torch.ones_like(weight) if plain is None else plain
+        weight = torch.stack([weight] * k_events + [plain] * (a.batch - k_events))
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
 
     @torch.no_grad()
@@ -363,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
-                 "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "event_share": a.event_share,
+                 "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "digit_scope": a.digit_scope,
+                 "event_share": a.event_share,
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen,
                  "timesteps": a.timesteps, "flow": a.flow}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
@@ -373,9 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     last_save = time.time()
     while prog.step < a.steps and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
-        if a.event_share and len(train.event_targets):
-            k = int(round(a.event_share * a.batch))
-            idx[:k] = train.event_targets[torch.randint(0, len(train.event_targets), (k,), generator=gen)]
+        if k_events:
+            idx[:k_events] = train.event_targets[torch.randint(0, len(train.event_targets), (k_events,), generator=gen)]
         batch = train.window(idx, dcfg.context, raw.reads)
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
