@@ -76,7 +76,8 @@ class Args:
     digit_weight: float = 1.0  # loss weight of the latent cells that draw the status bar's numbers (160x120): the
     # ammo count is ~18 of 1,280 cells, and a model trained with them alike never drew it going down
     digit_scope: str = "all"  # the samples whose number cells take --digit-weight: "all", or "events" (only the
-    # --event-share drawn where the numbers change: the rest copy the bar, and their weight is taken from the view)
+    # --event-share drawn where the numbers change). Measured: the view keeps its sharpness, but the count learns
+    # to move and not when (the copying samples teach it to stay put), and the bar breaks (docs/EXPERIMENTS.md)
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (statusbar.bar_changes): random play spends ammo in ~5% of its steps, and the model never drew it
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's) or "plan" (only
