@@ -194,6 +194,7 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     # the held-out play spends ammo: targets where the bar changes, which a bar held still never reads right
     assert 0 < rep["n_events"] <= 32 and rep["event_copy_last_statusbar_acc"] == 0.0
     assert 0 <= rep["event_statusbar_acc"] <= 1 and set(rep["event_statusbar_fields"]) == {"ammo", "health", "armor"}
+    assert np.isfinite(rep["event_move"]) and np.isfinite(rep["event_move_median"])
     assert Image.open(out / "events.png").size[0] == 3 * 160
     assert "copy-last-frame PSNR" in capsys.readouterr().out
 
@@ -462,6 +463,24 @@ def test_the_number_cells_weighted_are_the_ones_the_digits_are_drawn_in():
     w = train_diffusion.loss_weights((32, 40), 4, (120, 160), 2.0, 30.0)
     assert w[cells].eq(30).all() and w[28, 30] == 2 and w[0, 0] == 1  # numbers, the rest of the bar, the view
     assert not train_diffusion.number_cells((16, 20), 8, (96, 128)).any()  # no reader: nothing weighted
+
+
+def test_number_moves_reads_how_far_the_numbers_went_from_the_old_to_the_new():
+    from neuraldoom import autoencoder as AE
+    from neuraldoom.config import AutoencoderConfig
+
+    torch.manual_seed(0)
+    ae = AE.build_autoencoder(AutoencoderConfig(latent_channels=4, encoder_channels=8, decoder_channels=8)).eval()
+    rng = np.random.default_rng(0)
+    prev = rng.integers(0, 256, (2, 120, 160, 3), dtype=np.uint8)
+    real = prev.copy()
+    real[:, 100:114] = 255 - real[:, 100:114]  # the numbers' rows change, the view does not
+    rec = AE.decode(ae, AE.encode(ae, np.concatenate([prev, real])), 120, 160).astype(np.float32)
+    old, new = rec[:2], rec[2:]
+    np.testing.assert_allclose(evaluate.number_moves(ae, prev, real, old), 0, atol=1e-6)  # the old count copied
+    np.testing.assert_allclose(evaluate.number_moves(ae, prev, real, new), 1, atol=1e-6)  # the new one drawn
+    np.testing.assert_allclose(evaluate.number_moves(ae, prev, real, (old + new) / 2), 0.5, atol=1e-5)
+    assert evaluate.number_moves(ae, prev[:, :96, :128], real[:, :96, :128], old[:, :96, :128]) is None
 
 
 def test_drift_offsets_are_smooth_casts_on_a_share_of_the_batch():

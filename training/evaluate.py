@@ -25,7 +25,9 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
 - the status bar where its numbers change (--events N, 32 by default; last, so the rows above draw the
   same noise as before it existed): teacher-forced on N held-out targets whose bar reads other numbers
   than the frame before (ammo spent, health lost or picked up), event_statusbar_acc against copy-last's
-  (a bar that never changes). OUT/events.png: the numbers' rows of the last context frame | real next | model next.
+  (a bar that never changes), and event_move (number_moves: how far the numbers' pixels moved towards the
+  new ones, 0 to 1, which shows the count being learned before the reader reads it).
+  OUT/events.png: the numbers' rows of the last context frame | real next | model next.
 - free play (--free-steps N, off by default: 1,000 take ~12 minutes on one core): from the checkpoint's
   own start, N steps of the straight and the sticky policy (training.rollout_strip), seeds 0 and 1. With
   no real frames to score against, the frames at N/4, N/2, 3N/4 and N (free_steps) are measured against
@@ -300,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if report.get("n_events"):
         rows.append((f"status bar read right where its numbers change (n={report['n_events']}): model / copy-last",
                      f"{_fmt(report['event_statusbar_acc'])} / {_fmt(report['event_copy_last_statusbar_acc'])}"))
+        if report.get("event_move") is not None:
+            rows.append(("  its numbers moved from the last frame's to the real next (0 old, 1 new): mean / median",
+                         f"{report['event_move']:.2f} / {report['event_move_median']:.2f}"))
     for name, run in report["free"].items():
         rows.append((f"free play {name}, steps {'/'.join(map(str, report['free_steps']))}: sharpness, colour cast",
                      " / ".join(f"{x:.2f}" for x in run["sharpness"]) + ", " +
@@ -354,13 +359,33 @@ def event_targets(eng: NeuralEngine, recs: list[Recording], n: int, rng: np.rand
         vals.append(SB.frame_values(r, [i])[0])
     gen, prev, real, vals = map(np.stack, (gen, prev, real, vals))
     ok, ok_copy = statusbar_ok(gen, vals), statusbar_ok(prev, vals)
+    moves = number_moves(eng.ckpt.ae, prev, real, gen)
     band = slice(SB.ROWS[0] - 4, SB.ROWS[1] + 4)  # the numbers' rows and a little around them
     strip = np.concatenate([np.concatenate([f[band] for f in x], 1)
                             for x in zip(prev[:8], real[:8], gen[:8], strict=True)], 0)
     with atomic_path(out / "events.png") as tmp:
         Image.fromarray(strip).save(tmp)
     return {"n_events": len(gen), "event_statusbar_acc": _fraction(ok), "event_statusbar_fields": _fields(ok),
-            "event_copy_last_statusbar_acc": _fraction(ok_copy)}
+            "event_copy_last_statusbar_acc": _fraction(ok_copy),
+            "event_move": None if moves is None else float(np.mean(moves)),
+            "event_move_median": None if moves is None else float(np.median(moves))}
+
+
+def number_moves(ae: Any, prev: np.ndarray, real: np.ndarray, gen: np.ndarray) -> np.ndarray | None:
+    """Per target, how far the generated frame moves the status bar's number pixels from the last frame to
+    the real next one: <gen - ae(prev), ae(real) - ae(prev)> / |ae(real) - ae(prev)|^2 over
+    statusbar.number_mask, both ends through the autoencoder so its blur is neither (0: the old numbers
+    copied, 1: the new ones drawn). The reader's read is all-or-nothing, a digit drawn half-way reads as
+    the old one or as nothing; this shows the learning before it reads. None where the mask does not apply."""
+    m = SB.number_mask(*prev.shape[1:3])
+    if m is None:
+        return None
+    h, w = prev.shape[1:3]
+    rec = AE.decode(ae, AE.encode(ae, np.concatenate([prev, real])), h, w).astype(np.float32)
+    a, b = rec[: len(prev)][:, m], rec[len(prev):][:, m]
+    d_real = (b - a).reshape(len(a), -1)
+    d_gen = (gen[:, m].astype(np.float32) - a).reshape(len(a), -1)
+    return (d_gen * d_real).sum(1) / np.maximum((d_real * d_real).sum(1), 1e-6)
 
 
 def free_runs(eng: NeuralEngine, steps: int, out: Path) -> dict[str, Any]:
