@@ -48,14 +48,22 @@ DEFAULT_PATH = Path(__file__).parent / "assets" / "statusbar.safetensors"
 _VAR = {n: GAME_VARIABLES.index(n) for n in ("SELECTED_WEAPON_AMMO", "HEALTH", "ARMOR", "SELECTED_WEAPON")}
 
 
-def number_mask(height: int, width: int) -> np.ndarray | None:
-    """(height, width) bool: the pixels of the three numbers' digit cells; None where the reader does not
+def field_index(fields: tuple[str, ...]) -> list[int]:
+    """The FIELDS positions of `fields` (ValueError naming an unknown one)."""
+    unknown = [f for f in fields if f not in FIELDS]
+    if unknown or not fields:
+        raise ValueError(f"status bar fields must be some of {', '.join(FIELDS)}, not {' '.join(fields) or 'none'}")
+    return [FIELDS.index(f) for f in fields]
+
+
+def number_mask(height: int, width: int, fields: tuple[str, ...] = FIELDS) -> np.ndarray | None:
+    """(height, width) bool: the pixels of the `fields`' digit cells; None where the reader does not
     apply (frames not 160x120). What the trainers weight: a few percent of the frame that is game state."""
     if (height, width) != FRAME_SHAPE[:2]:
         return None
     m = np.zeros((height, width), bool)
-    for x0 in FIELD_X:
-        m[ROWS[0]:ROWS[1], x0:x0 + 3 * CELL_W] = True
+    for k in field_index(fields):
+        m[ROWS[0]:ROWS[1], FIELD_X[k]:FIELD_X[k] + 3 * CELL_W] = True
     return m
 
 
@@ -236,16 +244,19 @@ def frame_values(rec: Any, rows: np.ndarray | None = None) -> np.ndarray:
     return np.stack([vars_values(variables[prev]), vars_values(variables[rows])], 1)
 
 
-def bar_changes(frames: np.ndarray, episode: np.ndarray) -> np.ndarray:
-    """(N,) bool: the frames whose bar reads other numbers than the frame before in their episode (ammo
-    spent, health lost or picked up). Read off the frames, which the reader reads right: the recorded
-    variables cannot say which of a step's two tics a frame shows (shown_values), and a test on them
-    flags twice as many steps as the bar shows changing. All False where the reader does not apply."""
+def bar_changes(frames: np.ndarray, episode: np.ndarray, fields: tuple[str, ...] = FIELDS) -> np.ndarray:
+    """(N,) bool: the frames whose bar reads other numbers in `fields` than the frame before in their
+    episode (ammo spent, health lost or picked up; "ammo" alone: the shots, without the damage and pickup
+    flashes that come with a health or armor change, mostly). Read off the frames, which the reader
+    reads right: the recorded variables cannot say which of a step's two tics a frame shows (shown_values),
+    and a test on them flags twice as many steps as the bar shows changing. All False where the reader does
+    not apply."""
     episode = np.asarray(episode)  # frames may be a recording's memmap: the reader reads only the digit rows
+    cols = field_index(fields)
     out = np.zeros(len(episode), bool)
     if len(episode) < 2 or tuple(frames.shape[1:]) != FRAME_SHAPE:
         return out
-    vals = default_reader().read(frames)
+    vals = default_reader().read(frames)[:, cols]
     out[1:] = (vals[1:] != vals[:-1]).any(1) & (episode[1:] == episode[:-1])
     return out
 

@@ -107,3 +107,8 @@ def test_bar_changes_flags_the_frames_whose_numbers_change(played):
     k = int(np.flatnonzero(flags)[0])
     assert not S.bar_changes(frames, (np.arange(len(frames)) >= k).astype(int))[k]  # a new episode is no change
     assert not S.bar_changes(frames[:, :96], one).any()  # no status bar to read
+    shots = S.bar_changes(frames, one, ("ammo",))  # the ammo count alone: the shots, not the damage taken
+    assert shots[1:][ammo[1:] != ammo[:-1]].all() and not (shots & ~flags).any()
+    assert not shots[1:][~(values[1:, :, 0] != values[:-1, :, 0]).any(1)].any()
+    with pytest.raises(ValueError, match="ammo, health, armor"):
+        S.bar_changes(frames, one, ("ammo", "keys"))

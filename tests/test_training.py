@@ -390,7 +390,8 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
                                    ["--event-share", "1.5"], ["--drift", "-1"], ["--drift-share", "2"],
                                    ["--timesteps", "some"], ["--warp-mode", "cubic", "--turn-warp"],
                                    ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
-                                   ["--warp-fill", "last"], ["--digit-scope", "some"]])
+                                   ["--warp-fill", "last"], ["--digit-scope", "some"],
+                                   ["--event-fields", "ammo", "keys"], ["--digit-fields", "frags"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
@@ -463,6 +464,10 @@ def test_the_number_cells_weighted_are_the_ones_the_digits_are_drawn_in():
     w = train_diffusion.loss_weights((32, 40), 4, (120, 160), 2.0, 30.0)
     assert w[cells].eq(30).all() and w[28, 30] == 2 and w[0, 0] == 1  # numbers, the rest of the bar, the view
     assert not train_diffusion.number_cells((16, 20), 8, (96, 128)).any()  # no reader: nothing weighted
+    ammo = train_diffusion.number_cells((32, 40), 4, (120, 160), ("ammo",))
+    assert ammo.nonzero()[:, 1].unique().tolist() == [*range(0, 6)] and not (ammo & ~cells).any()
+    w = train_diffusion.loss_weights((32, 40), 4, (120, 160), 1.0, 30.0, ("ammo",))
+    assert w[ammo].eq(30).all() and w[cells & ~ammo].eq(1).all()
 
 
 def test_number_moves_reads_how_far_the_numbers_went_from_the_old_to_the_new():
@@ -537,7 +542,7 @@ def test_the_status_bar_events_are_the_rows_whose_numbers_change(tiny_ae, tiny_d
     from training import latents as L
 
     ae = load_model_dir(AutoencoderTiny, tiny_ae / "autoencoder")
-    data = L.build(ae, tiny_dataset / "train", tmp_path / "latents", 0, events=True)
+    data = L.build(ae, tiny_dataset / "train", tmp_path / "latents", 0, events=SB.FIELDS)
     recs = [r for r in open_dataset(tiny_dataset / "train") if len(r)]
     shown = np.concatenate([SB.frame_values(r) for r in recs])
     read = np.concatenate([SB.default_reader().read(r.frames) for r in recs])
@@ -559,10 +564,10 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
             "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
             "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine",
             "--hud-weight", "4", "--event-share", "0.5", "--timesteps", "plan", "--digit-weight", "30",
-            "--digit-scope", "events", *TINY_DM]
+            "--digit-scope", "events", "--event-fields", "ammo", "--digit-fields", "ammo", *TINY_DM]
     assert experiment.main(argv) == 0
     ck = Checkpoint(tmp_path / "exp" / "delta" / "checkpoint")
-    assert ck.config["notes"]["timesteps"] == "plan"
+    assert ck.config["notes"]["timesteps"] == "plan" and ck.config["notes"]["event_fields"] == ["ammo"]
     assert ck.denoiser_cfg.target == "delta" and ck.denoiser_cfg.reads == 2 and ck.denoiser_cfg.delta_scale > 0
     # the budget is spent: no more training, one more evaluated row, with free play under its own header
     assert experiment.main(argv[:argv.index("--")] + ["--free-steps", "4"] + argv[argv.index("--"):]) == 0

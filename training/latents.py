@@ -66,9 +66,10 @@ class LatentSet:
         return self.z[idx].float(), self.z[ctx_rows].float(), codes
 
 
-def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events: bool = False) -> LatentSet:
+def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events: tuple[str, ...] = ()) -> LatentSet:
     """Encode (or reuse) the first frames of each recording under `data`, up to max_frames in all; with
-    `events`, also which rows the status bar changes at (reading every frame's bar: ~30 s for 285k frames)."""
+    `events` (status bar fields), also which rows those numbers change at (reading every frame's bar: ~30 s
+    for 285k frames)."""
     digest = encoder_digest(ae)
     recs = [r for r in open_dataset(data) if len(r)]
     per = max(1, max_frames // len(recs)) if max_frames else None
@@ -100,7 +101,7 @@ def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events:
         valid = np.ones(n, bool)
         valid[first] = False  # an episode's first frame has no previous frame to predict it from
         ts.append(valid)
-        evs.append(SB.bar_changes(r.frames[:n], ep) if events else np.zeros(n, bool))
+        evs.append(SB.bar_changes(r.frames[:n], ep, events) if events else np.zeros(n, bool))
         offset += n
     return LatentSet(torch.cat(zs), np.concatenate(acts), np.concatenate(starts), np.concatenate(ts),
                      np.concatenate(evs))

@@ -80,6 +80,9 @@ class Args:
     # to move and not when (the copying samples teach it to stay put), and the bar breaks (docs/EXPERIMENTS.md)
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (statusbar.bar_changes): random play spends ammo in ~5% of its steps, and the model never drew it
+    event_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose change makes an event: "ammo" alone leaves out
+    # the damage and pickup flashes (red, yellow) of the health and armor changes, which free play drifted into
+    digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's) or "plan" (only
     # the sampler's: play and the students' teacher ask for no other, so every sample trains one that is used)
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
@@ -142,25 +145,26 @@ def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
     return ((rows + 1) * factor > M.hud_top(frame_h)) & (rows * factor < frame_h)
 
 
-def number_cells(latent_hw: tuple[int, int], factor: int, frame_hw: tuple[int, int]) -> torch.Tensor:
-    """(h, w) bool: the latent cells that draw any pixel of the status bar's numbers (none where the
-    reader does not apply)."""
+def number_cells(latent_hw: tuple[int, int], factor: int, frame_hw: tuple[int, int],
+                 fields: tuple[str, ...] = SB.FIELDS) -> torch.Tensor:
+    """(h, w) bool: the latent cells that draw any pixel of the status bar's `fields` numbers (none where
+    the reader does not apply)."""
     h, w = latent_hw
     px = np.zeros((h * factor, w * factor), bool)
-    m = SB.number_mask(*frame_hw)
+    m = SB.number_mask(*frame_hw, fields)
     if m is not None:
         px[: m.shape[0], : m.shape[1]] = m
     return torch.from_numpy(px.reshape(h, factor, w, factor).any((1, 3)))
 
 
 def loss_weights(latent_hw: tuple[int, int], factor: int, frame_hw: tuple[int, int], hud_weight: float,
-                 digit_weight: float) -> torch.Tensor | None:
-    """(h, w) per-cell loss weights (None: all alike): the status bar's rows ×hud_weight, its number cells
-    ×digit_weight."""
+                 digit_weight: float, fields: tuple[str, ...] = SB.FIELDS) -> torch.Tensor | None:
+    """(h, w) per-cell loss weights (None: all alike): the status bar's rows ×hud_weight, the cells of its
+    `fields` numbers ×digit_weight."""
     if hud_weight == 1 and digit_weight == 1:
         return None
     w = 1 + (hud_weight - 1) * hud_rows(latent_hw[0], factor, frame_hw[0]).float()[:, None].expand(latent_hw)
-    return torch.where(number_cells(latent_hw, factor, frame_hw), torch.tensor(float(digit_weight)), w)
+    return torch.where(number_cells(latent_hw, factor, frame_hw, fields), torch.tensor(float(digit_weight)), w)
 
 
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
@@ -274,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--digit-scope must be all or events, not {a.digit_scope!r}")
         if not 0 <= a.event_share <= 1:
             raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
+        try:
+            SB.field_index(a.event_fields), SB.field_index(a.digit_fields)
+        except ValueError as e:
+            raise CheckpointError(f"--event-fields, --digit-fields: {e}") from None
         if a.drift < 0 or not 0 <= a.drift_share <= 1:
             raise CheckpointError(f"--drift must be >= 0 and --drift-share within [0, 1] (not {a.drift}, "
                                   f"{a.drift_share})")
@@ -298,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
         ae.to(acc.device)  # encode on the accelerator when there is one; the checkpoint keeps a CPU copy
         with acc.main_process_first():  # the main process encodes into the cache, the others then read it
-            train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames, events=a.event_share > 0)
+            events = a.event_fields if a.event_share > 0 else ()
+            train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames, events=events)
             held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
         ae.cpu()
     except (CheckpointError, RecordingError) as e:
@@ -348,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
     own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
     levels = torch.tensor([t for t, _, _ in own_sampler.plan]) if a.timesteps == "plan" else None
-    weight = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight)
+    weight = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight,
+                          a.digit_fields)
     k_events = int(round(a.event_share * a.batch)) if a.event_share and len(train.event_targets) else 0
     if weight is not None and a.digit_scope == "events":  # the weighted cells only on the event samples
         plain = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, 1.0)
@@ -376,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
                  "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "digit_scope": a.digit_scope,
-                 "event_share": a.event_share,
+                 "event_share": a.event_share, "event_fields": list(a.event_fields),
+                 "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen,
                  "timesteps": a.timesteps, "flow": a.flow}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
