@@ -30,6 +30,7 @@ from .actions import NOOP, Action, ActionError
 from .checkpoint import Checkpoint
 from .sampler import (
     DDIMSampler,
+    FrameBounds,
     build_in_background,
     cache_dir,
     denoiser_pass,
@@ -118,7 +119,8 @@ class NeuralEngine:
         else:
             denoiser, guidance = ckpt.denoiser, ckpt.sampler_cfg.cfg if guidance is None else guidance
         deadband = ckpt.sampler_cfg.deadband if deadband is None else deadband
-        self.sampler = DDIMSampler(denoiser, steps, guidance, deadband).eval()
+        bounds = FrameBounds.from_config(ckpt.sampler_cfg)
+        self.sampler = DDIMSampler(denoiser, steps, guidance, deadband, bounds).eval()
         self.dtype = resolve_dtype(dtype)
         self.eager = denoiser_pass(denoiser, self.dtype)
         self.denoise = self.eager  # the pass: eager, or the compiled package once it is there

@@ -31,12 +31,14 @@ import time
 import weakref
 import zipfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from diffusers import DDIMScheduler
 from torch import nn
 
+from .config import SamplerConfig
 from .denoiser import Denoiser
 
 # one UNet pass: (x (1,C,h,w), t (1,) long, context (1,N,C,h,w), codes (1,N+1,2) long) -> v (1,C,h,w) float32
@@ -77,14 +79,47 @@ def denoiser_pass(denoiser: Denoiser, dtype: torch.dtype = torch.float32) -> Den
         return per[dtype]
 
 
+@dataclass(frozen=True)
+class FrameBounds:
+    """The range of the training frames' latent statistics, per channel: each frame's mean within
+    [mean_lo, mean_hi] and its spread (std over the cells) at most std_hi. Long free play feeds every
+    frame back as context, and a small bias per step grows into a view no recording ever had (a red or
+    white wash, a speckled grid: per-channel means and spreads past anything in the data); holding each
+    generated frame inside the data's range stops the feedback there and leaves a frame inside it
+    untouched."""
+
+    mean_lo: tuple[float, ...]
+    mean_hi: tuple[float, ...]
+    std_hi: tuple[float, ...]
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig) -> FrameBounds | None:
+        """The checkpoint's bounds; None where it has none (held free)."""
+        return cls(cfg.mean_lo, cfg.mean_hi, cfg.std_hi) if cfg.std_hi else None
+
+    def hold(self, z: torch.Tensor) -> torch.Tensor:
+        """z (B,C,h,w) with each frame's channel means clamped into range and its spread scaled down to
+        std_hi where over it; the exact input where every statistic is inside."""
+        lo, hi, top = (torch.tensor(v, dtype=z.dtype, device=z.device).view(1, -1, 1, 1)
+                       for v in (self.mean_lo, self.mean_hi, self.std_hi))
+        mean = z.mean((2, 3), keepdim=True)
+        std = z.std((2, 3), keepdim=True)
+        if bool(((mean >= lo) & (mean <= hi) & (std <= top)).all()):
+            return z
+        scale = torch.where(std > top, top / std, torch.ones_like(std))
+        return (z - mean) * scale + mean.clamp(lo, hi)
+
+
 class DDIMSampler(nn.Module):
     """forward(noise (1,C,h,w), context (1,N,C,h,w), codes (1,N+1,2)) -> next latent (1,C,h,w)."""
 
-    def __init__(self, denoiser: Denoiser, steps: int = 4, cfg: float = 1.5, deadband: float = 0.0) -> None:
+    def __init__(self, denoiser: Denoiser, steps: int = 4, cfg: float = 1.5, deadband: float = 0.0,
+                 bounds: FrameBounds | None = None) -> None:
         super().__init__()
         self.denoiser = denoiser
         self.cfg = float(cfg)
         self.deadband = float(deadband) if denoiser.delta else 0.0  # a frame target has no change to drop
+        self.bounds = bounds
         sched = ddim_scheduler()
         sched.set_timesteps(steps)
         a = sched.alphas_cumprod
@@ -128,7 +163,8 @@ class DDIMSampler(nn.Module):
             x = ap**0.5 * x0 + (1 - ap) ** 0.5 * eps
         if self.deadband:
             x0 = drop_small_changes(x0, self.deadband)
-        return self.denoiser.from_target(x0, last)
+        z = self.denoiser.from_target(x0, last)
+        return z if self.bounds is None else self.bounds.hold(z)
 
 
 def drop_small_changes(change: torch.Tensor, deadband: float) -> torch.Tensor:

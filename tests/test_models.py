@@ -291,6 +291,44 @@ def test_deadband_keeps_the_last_frame_exactly_where_the_predicted_change_is_sma
     torch.testing.assert_close(DDIMSampler(delta, 4, 1.0, deadband=0.0)(noise, ctx, codes), free)
 
 
+def test_frame_bounds_leave_a_frame_in_range_exactly_and_pull_one_outside_to_the_edge():
+    from neuraldoom.sampler import FrameBounds
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(2, 3, 8, 10, generator=g)
+    mean, std = z.mean((2, 3)), z.std((2, 3))
+    wide = FrameBounds(tuple(mean.min(0).values.tolist()), tuple(mean.max(0).values.tolist()),
+                       tuple(std.max(0).values.tolist()))
+    assert wide.hold(z) is z  # inside every bound: not even rounded
+    tight = FrameBounds((-0.05,) * 3, (0.05,) * 3, (0.5,) * 3)
+    shifted = z + torch.tensor([3.0, -3.0, 0.0]).view(1, 3, 1, 1)
+    held = tight.hold(shifted)
+    m, s = held.mean((2, 3)), held.std((2, 3))
+    assert torch.all(m[:, 0] <= 0.05 + 1e-5) and torch.all(m[:, 1] >= -0.05 - 1e-5)
+    torch.testing.assert_close(s, torch.full_like(s, 0.5))  # spread scaled down to the bound
+    torch.testing.assert_close(tight.hold(held), held)  # held once, held for good
+    # the pattern of each channel stays (only its offset and scale change)
+    a, b = held - m[..., None, None], shifted - shifted.mean((2, 3), keepdim=True)
+    torch.testing.assert_close(a / a.std((2, 3), keepdim=True), b / b.std((2, 3), keepdim=True))
+
+
+def test_the_sampler_holds_its_frames_in_the_checkpoints_bounds():
+    from neuraldoom.config import SamplerConfig
+    from neuraldoom.sampler import FrameBounds
+
+    _, delta, noise, ctx, codes = _frame_and_delta()
+    assert FrameBounds.from_config(SamplerConfig()) is None  # no bounds: free
+    with torch.no_grad():
+        free = DDIMSampler(delta, 4, 1.0)(noise, ctx, codes)
+        cfg = SamplerConfig(mean_lo=(-1e9,) * 4, mean_hi=(1e9,) * 4, std_hi=(1e9,) * 4)
+        torch.testing.assert_close(DDIMSampler(delta, 4, 1.0, bounds=FrameBounds.from_config(cfg))(noise, ctx, codes),
+                                   free, rtol=0, atol=0)
+        top = float(free.std((2, 3)).min()) / 2
+        held = DDIMSampler(delta, 4, 1.0, bounds=FrameBounds((-0.1,) * 4, (0.1,) * 4, (top,) * 4))(noise, ctx, codes)
+    assert held.mean((2, 3)).abs().max() <= 0.1 + 1e-5
+    assert held.std((2, 3)).max() <= top + 1e-5
+
+
 def test_denoiser_reads_only_the_newest_frames():
     from dataclasses import replace
 

@@ -772,3 +772,46 @@ def test_continued_training_can_widen_the_denoiser(tiny_checkpoint, tiny_dataset
     assert train_diffusion.main(bad) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "groups" in err[0]
+
+
+def test_export_bounds_play_inside_the_training_frames_statistics(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    """--bounds-from: the quantiles of the cached training frames' channel means and spreads go into the
+    sampler config, and the engine's frames stay inside them; a cache of another encoder, an empty folder
+    or a bad quantile is one line and exit 2, with nothing written."""
+    from neuraldoom import actions as A
+    from neuraldoom import autoencoder as AE
+    from neuraldoom.config import AutoencoderConfig
+    from training import latents as L
+
+    ck = Checkpoint(tiny_checkpoint)
+    cache = tmp_path / "cache"
+    data = L.build(ck.ae, tiny_dataset / "train", cache, 200)
+    out = tmp_path / "bounded"
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--bounds-from", str(cache), "--out", str(out),
+                        "--bounds-quantile", "0"]) == 0
+    cfg = Checkpoint(out).sampler_cfg
+    means, stds = data.z.float().mean((2, 3)), data.z.float().std((2, 3))
+    np.testing.assert_allclose(cfg.mean_lo, means.min(0).values, atol=1e-3)  # quantile 0: the extremes
+    np.testing.assert_allclose(cfg.mean_hi, means.max(0).values, atol=1e-3)
+    np.testing.assert_allclose(cfg.std_hi, stds.max(0).values, atol=1e-3)
+    eng = NeuralEngine(Checkpoint(out), compile=False, seed=0)
+    eng.reset(0)
+    for _ in range(3):
+        z = eng.next_latent(A.NOOP)
+        assert torch.all(z.mean((2, 3))[0] >= torch.tensor(cfg.mean_lo) - 1e-4)
+        assert torch.all(z.mean((2, 3))[0] <= torch.tensor(cfg.mean_hi) + 1e-4)
+        assert torch.all(z.std((2, 3))[0] <= torch.tensor(cfg.std_hi) + 1e-4)
+
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    L.build(AE.build_autoencoder(AutoencoderConfig(latent_channels=4, encoder_channels=8, decoder_channels=8)),
+            tiny_dataset / "train", other, 50)
+    (tmp_path / "empty").mkdir()
+    for flags, says in [(["--bounds-from", str(other)], "another encoder"),
+                        (["--bounds-from", str(tmp_path / "empty")], "no cached latents"),
+                        (["--bounds-from", str(cache), "--bounds-quantile", "0.5"], "--bounds-quantile")]:
+        capsys.readouterr()
+        assert export.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "no"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "no").exists()

@@ -5,6 +5,7 @@
     python -m training.export --checkpoint checkpoints/e1m1 --students runs/g4/checkpoint runs/p1/checkpoint \
         --out checkpoints/e1m1
     python -m training.export --checkpoint runs/wide/checkpoint --half --out runs/cand   # float16 on disk
+    python -m training.export --checkpoint runs/dm/checkpoint --bounds-from runs/dm/latents/train --out runs/cand
 
 The denoiser was trained on the latents of one encoder, so the new autoencoder must carry exactly that
 encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused. The
@@ -23,6 +24,7 @@ from diffusers import AutoencoderTiny
 
 from neuraldoom.checkpoint import Checkpoint, CheckpointError, load_model_dir, save_checkpoint, weights_digest
 from neuraldoom.config import parse_args
+from training import latents as L
 
 MAX_MB = 60
 
@@ -35,6 +37,9 @@ class Args:
     students: tuple[str, ...] = ()  # checkpoints whose distilled students to carry (later ones win)
     guidance: float = 0.0  # the teacher's classifier-free guidance weight to ship (0 = keep the checkpoint's)
     deadband: float = -1.0  # the sampler's deadband to ship (SamplerConfig.deadband; -1 = keep the checkpoint's)
+    bounds_from: str = ""  # a latent cache of the training frames (train_diffusion's OUT/latents/train): hold every
+    # generated frame inside their statistics' range (sampler.FrameBounds; "" = keep the checkpoint's)
+    bounds_quantile: float = 0.001  # the share of training frames left outside the range at each end
     half: bool = False  # the teacher's weights in float16 on disk (half the bytes: what keeps a wider denoiser
     # under MAX_MB). It rounds the teacher, so students are distilled from the rounded one: export --half first
 
@@ -43,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     if a.guidance < 0:
         print(f"export: --guidance must be > 0 (or 0 to keep the checkpoint's), got {a.guidance}", file=sys.stderr)
+        return 2
+    if not 0 <= a.bounds_quantile < 0.5:
+        print(f"export: --bounds-quantile must be in [0, 0.5), got {a.bounds_quantile}", file=sys.stderr)
         return 2
     try:
         ck = Checkpoint(a.checkpoint)
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if rounds and students:
             raise CheckpointError(f"--half rounds {a.checkpoint}'s denoiser, and its students {sorted(students)} "
                                   f"were distilled from the float32 weights: export --half first, distil from that")
+        bounds = L.frame_bounds(*L.frame_stats(Path(a.bounds_from), ck.ae), a.bounds_quantile) if a.bounds_from else {}
     except CheckpointError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2
@@ -82,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler_cfg = replace(ck.sampler_cfg, cfg=a.guidance) if a.guidance else ck.sampler_cfg
     if a.deadband >= 0:
         sampler_cfg = replace(sampler_cfg, deadband=a.deadband)
+    sampler_cfg = replace(sampler_cfg, **bounds)
     save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, sampler_cfg, ck.context_frames,
                     ck.context_actions, notes, students, half=a.half)
     mb = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file()) / 2**20

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from neuraldoom import actions as A
 from neuraldoom import autoencoder as AE
 from neuraldoom import statusbar as SB
-from neuraldoom.checkpoint import weights_digest
+from neuraldoom.checkpoint import CheckpointError, weights_digest
 from neuraldoom.files import write_text
 from neuraldoom.recording import open_dataset
 
@@ -105,3 +105,31 @@ def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events:
         offset += n
     return LatentSet(torch.cat(zs), np.concatenate(acts), np.concatenate(starts), np.concatenate(ts),
                      np.concatenate(evs))
+
+
+def frame_stats(cache: Path, ae: AutoencoderTiny) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each cached frame's per-channel latent mean and std over the cells, (M, C) each, from a cache folder
+    (`build`'s, any depth) encoded by this very `ae`'s encoder (CheckpointError otherwise, or if empty)."""
+    digest = encoder_digest(ae)
+    means, stds = [], []
+    for meta in sorted(Path(cache).resolve().rglob("meta.json")):
+        m = json.loads(meta.read_text())
+        if m.get("ae") != digest:
+            raise CheckpointError(f"{meta.parent} was encoded by another encoder than this checkpoint's")
+        z = np.load(meta.parent / "latents.f16", mmap_mode="r")
+        for i in range(0, m["rows"], 4096):
+            part = torch.from_numpy(np.asarray(z[i:min(i + 4096, m["rows"])], np.float32))
+            means.append(part.mean((2, 3)))
+            stds.append(part.std((2, 3)))
+    if not means:
+        raise CheckpointError(f"no cached latents under {cache}")
+    return torch.cat(means), torch.cat(stds)
+
+
+def frame_bounds(means: torch.Tensor, stds: torch.Tensor, q: float) -> dict[str, tuple[float, ...]]:
+    """SamplerConfig's bounds from frame_stats: the channel means' q and 1-q quantiles and the spreads'
+    1-q quantile (q = 0: the data's extremes)."""
+    def quant(x: torch.Tensor, p: float) -> tuple[float, ...]:
+        return tuple(round(float(v), 4) for v in torch.quantile(x.double(), p, dim=0))
+
+    return {"mean_lo": quant(means, q), "mean_hi": quant(means, 1 - q), "std_hi": quant(stds, 1 - q)}

@@ -80,9 +80,11 @@ class Args:
     # to move and not when (the copying samples teach it to stay put), and the bar breaks (docs/EXPERIMENTS.md)
     event_share: float = 0.0  # share of each batch drawn from the targets where the status bar's numbers
     # change (statusbar.bar_changes): random play spends ammo in ~5% of its steps, and the model never drew it
-    event_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose change makes an event: "ammo" alone leaves out
-    # the damage and pickup flashes (red, yellow) of the health and armor changes, which free play drifted into
-    digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight
+    event_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose change makes an event: "ammo" alone (the shots,
+    # ~90% of the events) leaves out the damage and pickup flashes; it learns the count faster, but free play still
+    # drifts red by 750-1,000 steps: the flashes were not the cause (docs/EXPERIMENTS.md)
+    digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight ("ammo": 18 cells, not
+    # 54; with ammo events the count moved furthest per sample and 500 steps of free play held as the shipped's)
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's) or "plan" (only
     # the sampler's: play and the students' teacher ask for no other, so every sample trains one that is used)
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
