@@ -203,3 +203,19 @@ def test_adversarial_distillation_trains_a_critic_and_resumes_it(tiny_checkpoint
     assert run(tiny_checkpoint, tiny_dataset, tmp_path / "bad", "--adv-weight", "-1") == 2
     err = capsys.readouterr().err
     assert err.startswith("distill: ") and "--adv-weight" in err and err.count("\n") == 1
+
+
+def test_own_frames_train_the_student_on_what_it_drew(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    """--own-frames 1: every sample's last context frame is the student's own sample of it, so the same seed
+    trains other weights than real contexts do; a share outside [0, 1] is one line and exit 2."""
+    weights = {}
+    for share in ("0", "1"):
+        out = tmp_path / f"own{share}"
+        assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "1", "--teacher-steps", "4",
+                   "--iterations", "3", "--own-frames", share) == 0
+        weights[share] = Checkpoint(out / "checkpoint").student(1).state_dict()
+    assert any(not torch.equal(weights["0"][k], weights["1"][k]) for k in weights["0"])
+    capsys.readouterr()
+    assert run(tiny_checkpoint, tiny_dataset, tmp_path / "bad", "--steps", "1", "--own-frames", "1.5") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distill: ") and "--own-frames" in err and err.count("\n") == 1

@@ -16,6 +16,11 @@ for that many steps where the checkpoint carries one, else the denoiser with cla
 Both train only at the student's own timesteps, on noised held-in latents with their real context (clean,
 as at play), with the v-MSE loss, AdamW, EMA and gradient clipping, like train_diffusion.
 
+--own-frames S: for a share S of each batch the last context frame is the student's own sample of it (its
+sampler as play runs it, from the real frames before it) and the teacher's path starts from that context:
+in play a student reads what it drew itself, and its blur compounds step after step where the teacher,
+trained on its own frames, corrects it; this teaches the student the teacher's correction.
+
 --adv-weight W adds adversarial diffusion distillation (Sauer et al. 2023): a latent critic
 (`training.adversarial.LatentDiscriminator`) learns to tell the real next latent from the student's clean
 estimate at its step, given the last frame and the current action, and the student is also trained to fool
@@ -54,6 +59,7 @@ from neuraldoom.sampler import DDIMSampler
 from training import latents as L
 from training import trainer
 from training.adversarial import Critic, LatentDiscriminator, adaptive_weight
+from training.train_diffusion import with_own_frames
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class Args:
     seed: int = 0
     precision: str = "auto"
     threads: int = 1
+    own_frames: float = 0.0  # share of samples whose last context frame is the student's own sample of it
     adv_weight: float = 0.0  # a latent critic's hinge loss on the student's clean estimates, relative to the
     # distillation loss's gradient at the UNet's last layer (adversarial diffusion distillation); 0 = off
 
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"samplers' timesteps nest), not {t_steps} for --steps {a.steps}")
         if a.adv_weight < 0:
             raise ValueError(f"--adv-weight must be >= 0, not {a.adv_weight}")
+        if not 0 <= a.own_frames <= 1:
+            raise ValueError(f"--own-frames must be within [0, 1], not {a.own_frames}")
         if t_steps != own and t_steps not in ck.students:
             raise CheckpointError(f"{a.checkpoint} has no {t_steps}-step sampler to learn from: distil that "
                                   f"one first (it plays {own} steps; students: {sorted(ck.students) or 'none'})")
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
+    own_sampler = DDIMSampler(raw, a.steps, 1.0, ck.sampler_cfg.deadband)  # the student as play runs it
     held_batch = held.window(held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]],
                              raw.context, raw.reads)
 
@@ -232,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     while prog.step < a.iterations and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         batch = train.window(idx, raw.context, raw.reads)
+        if a.own_frames:
+            batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         with acc.autocast():
             loss, (fake, real, last, action) = distill_batch(model, teacher, plan, batch, gen, acc.device)
         adv = {}
