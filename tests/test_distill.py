@@ -219,3 +219,23 @@ def test_own_frames_train_the_student_on_what_it_drew(tiny_checkpoint, tiny_data
     assert run(tiny_checkpoint, tiny_dataset, tmp_path / "bad", "--steps", "1", "--own-frames", "1.5") == 2
     err = capsys.readouterr().err
     assert err.startswith("distill: ") and "--own-frames" in err and err.count("\n") == 1
+
+
+def test_the_gradient_difference_sees_edge_strength_not_level():
+    a = torch.randn(2, 3, 6, 8, generator=torch.Generator().manual_seed(0))
+    assert distill.gradient_difference(a, a + 5.0).abs().max() < 1e-5  # a shifted level: the same edges
+    assert distill.gradient_difference(a, -a).abs().max() < 1e-5  # edges of the same strength, either sign
+    blurred = torch.nn.functional.avg_pool2d(a, 3, 1, 1, count_include_pad=False)
+    assert (distill.gradient_difference(blurred, a) > 0.1).all()  # a blur loses edge strength
+
+
+def test_sharp_weight_changes_what_the_student_learns(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    weights = {}
+    for w in ("0", "1"):
+        out = tmp_path / f"sharp{w}"
+        assert run(tiny_checkpoint, tiny_dataset, out, "--steps", "2", "--iterations", "2", "--sharp-weight", w) == 0
+        weights[w] = Checkpoint(out / "checkpoint").student(2).state_dict()
+    assert any(not torch.equal(weights["0"][k], weights["1"][k]) for k in weights["0"])
+    capsys.readouterr()
+    assert run(tiny_checkpoint, tiny_dataset, tmp_path / "bad", "--steps", "2", "--sharp-weight", "-1") == 2
+    assert capsys.readouterr().err.startswith("distill: --sharp-weight")

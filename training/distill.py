@@ -21,6 +21,12 @@ sampler as play runs it, from the real frames before it) and the teacher's path 
 in play a student reads what it drew itself, and its blur compounds step after step where the teacher,
 trained on its own frames, corrects it; this teaches the student the teacher's correction.
 
+--sharp-weight W adds a gradient difference loss (Mathieu et al. 2016) between the student's clean latent
+estimate and the teacher's: the mean |(|dz_student| - |dz_teacher|)| over the latent's neighbouring-cell
+differences, W times it. A one-step student cannot read from the noise which of the teacher's details it
+will draw and regresses to their average, a blur; this term asks for the teacher's edge strength wherever
+the teacher has edges.
+
 --adv-weight W adds adversarial diffusion distillation (Sauer et al. 2023): a latent critic
 (`training.adversarial.LatentDiscriminator`) learns to tell the real next latent from the student's clean
 estimate at its step, given the last frame and the current action, and the student is also trained to fool
@@ -83,6 +89,7 @@ class Args:
     precision: str = "auto"
     threads: int = 1
     own_frames: float = 0.0  # share of samples whose last context frame is the student's own sample of it
+    sharp_weight: float = 0.0  # weight of the gradient difference loss against the teacher's clean estimate
     adv_weight: float = 0.0  # a latent critic's hinge loss on the student's clean estimates, relative to the
     # distillation loss's gradient at the UNet's last layer (adversarial diffusion distillation); 0 = off
 
@@ -126,11 +133,20 @@ def student_target(x: torch.Tensor, x_end: torch.Tensor, at: float, ap: float) -
     return (a * x - x0) / s
 
 
+def gradient_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Mean |(|da| - |db|)| over the vertical and horizontal neighbour differences of (B,C,h,w) latents:
+    zero when a has b's edge strength everywhere, whatever their means (the gradient difference loss)."""
+    dh = (a.diff(dim=2).abs() - b.diff(dim=2).abs()).abs().sum((1, 2, 3))
+    dw = (a.diff(dim=3).abs() - b.diff(dim=3).abs()).abs().sum((1, 2, 3))
+    return (dh + dw) / (a[:1].diff(dim=2).numel() + a[:1].diff(dim=3).numel())
+
+
 def distill_batch(student: torch.nn.Module, teacher: Teacher, plan: list, batch: tuple, gen: torch.Generator,
-                  device: torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                  device: torch.device, sharp_weight: float = 0.0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The loss of one batch: a random student step per sample, the teacher's k = len(teacher.plan) /
-    len(plan) steps from the same x_t as its target. Also returns, for the critic, the student's clean
-    estimates as latents with the real latents, last context latents and current actions in their order."""
+    len(plan) steps from the same x_t as its target (plus, with sharp_weight, the gradient difference of
+    the two clean estimates). Also returns, for the critic, the student's clean estimates as latents with
+    the real latents, last context latents and current actions in their order."""
     z, ctx, codes = (b.to(device) for b in batch)
     B, k = len(z), len(teacher.plan) // len(plan)
     raw: Denoiser = getattr(student, "module", student)
@@ -152,7 +168,11 @@ def distill_batch(student: torch.nn.Module, teacher: Teacher, plan: list, batch:
         tv = torch.full((len(x),), t, dtype=torch.long, device=device)
         pred = student(x, tv, ctx[m], codes[m], torch.zeros_like(tv)).float()
         loss = loss + F.mse_loss(pred, target, reduction="sum") / y[0].numel()
-        estimates.append(raw.from_target(at**0.5 * x - (1 - at) ** 0.5 * pred, ref[m]))
+        estimate = raw.from_target(at**0.5 * x - (1 - at) ** 0.5 * pred, ref[m])
+        if sharp_weight:
+            aimed = raw.from_target(at**0.5 * x - (1 - at) ** 0.5 * target, ref[m])
+            loss = loss + sharp_weight * gradient_difference(estimate, aimed).sum()
+        estimates.append(estimate)
         order.append(m.nonzero().squeeze(1))
     idx = torch.cat(order)
     return loss / B, (torch.cat(estimates), z[idx], ctx[idx, -1], codes[idx, -1])
@@ -174,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"samplers' timesteps nest), not {t_steps} for --steps {a.steps}")
         if a.adv_weight < 0:
             raise ValueError(f"--adv-weight must be >= 0, not {a.adv_weight}")
+        if a.sharp_weight < 0:
+            raise ValueError(f"--sharp-weight must be >= 0, not {a.sharp_weight}")
         if not 0 <= a.own_frames <= 1:
             raise ValueError(f"--own-frames must be within [0, 1], not {a.own_frames}")
         if t_steps != own and t_steps not in ck.students:
@@ -245,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_frames:
             batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         with acc.autocast():
-            loss, (fake, real, last, action) = distill_batch(model, teacher, plan, batch, gen, acc.device)
+            loss, (fake, real, last, action) = distill_batch(model, teacher, plan, batch, gen, acc.device,
+                                                             a.sharp_weight)
         adv = {}
         if critic is not None:  # the critic learns real from estimated next latents, then the student fools it
             adv["d_loss"] = critic.update(real.float(), fake.float(), last.float(), action)
