@@ -18,8 +18,8 @@ as at play), with the v-MSE loss, AdamW, EMA and gradient clipping, like train_d
 
 --own-frames S: for a share S of each batch the last context frame is the student's own sample of it (its
 sampler as play runs it, from the real frames before it) and the teacher's path starts from that context:
-in play a student reads what it drew itself, and its blur compounds step after step where the teacher,
-trained on its own frames, corrects it; this teaches the student the teacher's correction.
+in play a student reads what it drew itself, and this teaches it the teacher's correction of such frames.
+(Measured on the shipped 1-step student: no change, as its softness does not compound; docs/EXPERIMENTS.md.)
 
 --sharp-weight W adds a gradient difference loss (Mathieu et al. 2016) between the student's clean latent
 estimate and the teacher's: the mean |(|dz_student| - |dz_teacher|)| over the latent's neighbouring-cell
