@@ -18,7 +18,7 @@ from neuraldoom import autoencoder as AE
 from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import CheckpointError, weights_digest
 from neuraldoom.files import write_text
-from neuraldoom.recording import open_dataset
+from neuraldoom.recording import Recording, open_dataset
 
 
 def encoder_digest(ae: AutoencoderTiny) -> str:
@@ -66,17 +66,22 @@ class LatentSet:
         return self.z[idx].float(), self.z[ctx_rows].float(), codes
 
 
+def portions(data: Path, max_frames: int) -> list[tuple[Recording, int]]:
+    """The recordings under `data` and how many of their first frames a cache of max_frames holds (0: all),
+    in the order of its rows: row k of the cache is frame k - (rows before it) of its recording."""
+    recs = [r for r in open_dataset(data) if len(r)]
+    per = max(1, max_frames // len(recs)) if max_frames else None
+    return [(r, len(r) if per is None else min(len(r), per)) for r in recs]
+
+
 def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events: tuple[str, ...] = ()) -> LatentSet:
     """Encode (or reuse) the first frames of each recording under `data`, up to max_frames in all; with
     `events` (status bar fields), also which rows those numbers change at (reading every frame's bar: ~30 s
     for 285k frames)."""
     digest = encoder_digest(ae)
-    recs = [r for r in open_dataset(data) if len(r)]
-    per = max(1, max_frames // len(recs)) if max_frames else None
     zs, acts, starts, ts, evs = [], [], [], [], []
     offset = 0
-    for r in recs:
-        n = len(r) if per is None else min(len(r), per)
+    for r, n in portions(data, max_frames):
         d = cache / r.path.parent.name / r.path.name
         meta = {"ae": digest, "rows": n}
         f = d / "latents.f16"

@@ -37,6 +37,8 @@ from neuraldoom.recording import RecordingError
 from training import trainer
 from training.adversarial import Critic, PatchDiscriminator, adaptive_weight
 from training.data import FramePool
+from training.decoder_pairs import open_pairs
+from training.latents import encoder_digest
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class Args:
     decoder_only: bool = False  # freeze the encoder, fine-tune the decoder on whole frames
     latent_noise: float = 0.0  # add Gaussian noise of a level ~ U[0, this] to the (normalized) latents before
     # decoding, so the decoder draws the real frame from an imperfect latent: the denoiser's samples are such
+    pairs: str = ""  # a training.decoder_pairs folder: with --decoder-only, a share of each batch is the play
+    # sampler's latents to be drawn as the real frames they stand for (what play asks the decoder to draw)
+    pair_share: float = 0.5  # that share of each batch
     init_from: str = ""  # an autoencoder folder to start from (e.g. checkpoints/e1m1/autoencoder)
     save_every: float = 120.0  # seconds
     eval_every: int = 250
@@ -147,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.latent_noise < 0:
         print(f"train_autoencoder: --latent-noise must be >= 0, not {a.latent_noise}", file=sys.stderr)
         return 2
+    if a.pairs and (not a.decoder_only or not 0 < a.pair_share <= 1):
+        print("train_autoencoder: --pairs needs --decoder-only (the latents must stay the encoder's) and a "
+              f"--pair-share within (0, 1], not {a.pair_share}", file=sys.stderr)
+        return 2
     try:
         train = FramePool(Path(a.data) / "train")
         held = FramePool(Path(a.data) / "heldout")
@@ -191,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 g["lr"] = g["initial_lr"] = a.lr
             step, seen, elapsed = int(meta["step"]), int(meta.get("seen", 0)), float(meta.get("elapsed", 0.0))
             print(f"train_autoencoder: resuming at step {step}")
-    except (CheckpointError, ValueError) as e:
+        pairs = open_pairs(a.pairs, encoder_digest(ae)) if a.pairs else None
+    except (CheckpointError, RecordingError, ValueError) as e:
         print(f"train_autoencoder: {e}", file=sys.stderr)
         return 2
     # A cosine over the run's length: --steps, or --minutes of wall time if that ends first, so a
@@ -203,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ae, opt = acc.prepare(ae, opt)
     raw = acc.unwrap_model(ae)
     factor = AE.downsampling(raw)
+    latent_shape = (raw.config.latent_channels, *AE.latent_hw(raw, train.height, train.width))
     rng = np.random.default_rng([a.seed, step, acc.process_index])
 
     def save() -> None:
@@ -222,13 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     last_save = time.time()
     while prog.step < a.steps and not prog.spent():
         x, w = sample_batch(train, rng, a, factor)
+        k = int(round(a.pair_share * len(x))) if pairs is not None else 0
+        if k:  # whole frames in a decoder fine-tune, so the first k frames' weights fit the pairs' frames too
+            sel = np.sort(rng.integers(0, len(pairs[0]), k))  # sorted: the memory map reads forward
+            x[:k] = AE.to_pixels(pairs[1][sel], factor)
         x, w = x.to(acc.device), w.to(acc.device)
         with acc.autocast():
             with torch.no_grad() if a.decoder_only else torch.enable_grad():
-                z = AE.encode_pixels(raw, x)
+                z = AE.encode_pixels(raw, x[k:]) if k < len(x) else x.new_zeros(0, *latent_shape)
             if a.latent_noise:
                 level = torch.from_numpy(rng.uniform(0, a.latent_noise, (len(z), 1, 1, 1))).to(z)
                 z = z + level * torch.from_numpy(rng.standard_normal(z.shape, np.float32)).to(z)
+            if k:
+                z = torch.cat([torch.from_numpy(np.asarray(pairs[0][sel], np.float32)).to(z), z])
             y = AE.decode_pixels(raw, z).float()
         loss = reconstruction_loss(y, x, w, a)
         if critic is not None:  # hinge GAN on the visible frame (the padding is not part of the picture)
