@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RecordingError, ValueError, OSError) as e:
         print(f"subset: {e}", file=sys.stderr)
         return 2
-    print(f"subset: {n} frames ({a.episodes} episodes of {a.recording}) in {a.out}/train and {a.out}/heldout")
+    eps = f"{a.episodes} episode{'s' * (a.episodes > 1)}"
+    print(f"subset: {n} frames ({eps} of {a.recording}) in {a.out}/train and {a.out}/heldout")
     return 0
 
 
