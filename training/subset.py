@@ -52,8 +52,8 @@ def make_subset(data: Path, recording: str, episodes: int, out: Path) -> int:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        for split in ("train", "heldout"):
-            write_prefix(rec, n, tmp / split / recording)
+        write_prefix(rec, n, tmp / "train" / recording)
+        shutil.copytree(tmp / "train", tmp / "heldout")  # the same frames: read the recording once
         out.mkdir(parents=True, exist_ok=True)
         for split in ("train", "heldout"):
             os.replace(tmp / split, out / split)
