@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,6 +169,15 @@ class Recording:
         cuts = np.flatnonzero(np.diff(ep)) + 1
         bounds = [0, *cuts.tolist(), self.n]
         return list(zip(bounds[:-1], bounds[1:], strict=False))
+
+    def copy_prefix(self, n: int, dst: str | Path) -> Recording:
+        """The first n rows as a new recording at `dst` (a new folder): same meta, byte prefixes of the data."""
+        dst = Path(dst)
+        dst.mkdir(parents=True)
+        shutil.copyfile(self.path / "meta.json", dst / "meta.json")
+        self.frames[:n].tofile(dst / "frames.u8")
+        self.steps[:n].tofile(dst / "steps.bin")
+        return Recording(dst)
 
     def summary(self) -> dict[str, Any]:
         return {

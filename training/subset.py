@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuraldoom.config import parse_args
-from neuraldoom.recording import STEP_DTYPE, Recording, RecordingError
+from neuraldoom.recording import Recording, RecordingError
 
 
 @dataclass(frozen=True)
@@ -27,15 +27,6 @@ class Args:
     recording: str  # the recording under DATA/train to cut (e.g. run-000-w00)
     out: str  # a new folder: OUT/train/RECORDING and OUT/heldout/RECORDING, the same frames
     episodes: int = 3  # how many of its first whole episodes
-
-
-def write_prefix(rec: Recording, n: int, dst: Path) -> None:
-    """The first n frames and steps of `rec` as a recording at `dst` (a new folder)."""
-    dst.mkdir(parents=True)
-    shutil.copyfile(rec.path / "meta.json", dst / "meta.json")
-    for name, size in (("frames.u8", rec.game.height * rec.game.width * 3), ("steps.bin", STEP_DTYPE.itemsize)):
-        with open(rec.path / name, "rb") as src, open(dst / name, "wb") as f:
-            f.write(src.read(n * size))
 
 
 def make_subset(data: Path, recording: str, episodes: int, out: Path) -> int:
@@ -52,7 +43,7 @@ def make_subset(data: Path, recording: str, episodes: int, out: Path) -> int:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_prefix(rec, n, tmp / "train" / recording)
+        rec.copy_prefix(n, tmp / "train" / recording)
         shutil.copytree(tmp / "train", tmp / "heldout")  # the same frames: read the recording once
         out.mkdir(parents=True, exist_ok=True)
         for split in ("train", "heldout"):
