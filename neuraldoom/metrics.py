@@ -17,6 +17,12 @@ def mse(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
 
 
+def frame_mse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per-frame MSE of uint8 frames (..., H, W, 3): what a set PSNR averages, kept per frame so that two
+    evaluations on the same frames can be compared pair by pair (training.compare)."""
+    return np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2, axis=(-3, -2, -1))
+
+
 def psnr_from_mse(m: float) -> float:
     return float(10 * np.log10(255.0**2 / max(m, 1e-10)))
 

@@ -16,7 +16,7 @@ import torch
 
 from neuraldoom.checkpoint import Checkpoint
 from neuraldoom.engine import NeuralEngine
-from training import evaluate, export, train_autoencoder, train_diffusion
+from training import compare, evaluate, export, train_autoencoder, train_diffusion
 
 TINY_AE = ["--latent-channels", "4", "--encoder-channels", "8", "--decoder-channels", "8"]
 TINY_DM = ["--context", "4", "--block-out-channels", "8", "16", "--attention-heads", "2",
@@ -197,6 +197,57 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     assert np.isfinite(rep["event_move"]) and np.isfinite(rep["event_move_median"])
     assert Image.open(out / "events.png").size[0] == 3 * 160
     assert "copy-last-frame PSNR" in capsys.readouterr().out
+    # the per-frame errors behind the set PSNRs, kept for paired comparisons
+    assert len(rep["tf_mse"]) == len(rep["tf_copy_last_mse"]) == 4
+    assert evaluate.M.psnr_from_mse(float(np.mean(rep["tf_mse"]))) == pytest.approx(rep["tf_psnr"])
+    assert len(rep["ar_mse"]) == rep["n_rollouts"] and all(len(r) == 5 for r in rep["ar_mse"])
+    alive0 = [r[0] is not None for r in rep["ar_mse"]]
+    first = [r[0] for r in rep["ar_mse"] if r[0] is not None]
+    assert sum(alive0) == rep["ar_alive"][0]
+    assert evaluate.M.psnr_from_mse(float(np.mean(first))) == pytest.approx(rep["ar_psnr"][0])
+    # a checkpoint compared with itself on the same targets: no difference, and an interval of none
+    assert compare.main([str(out), str(out / "report.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "teacher-forced PSNR" in printed and "+0.00  [+0.00, +0.00]" in printed
+
+
+def _report(rng: np.random.Generator, tf_scale: float, ar_scale: float, n: int = 64, rollouts: int = 8,
+            steps: int = 16) -> dict:
+    """A report as training.evaluate writes it: copy-last's errors fixed by the seed, the model's scaled."""
+    base = np.random.default_rng(0)
+    cl, acl = base.uniform(200, 400, n), base.uniform(200, 600, (rollouts, steps))
+    ar = acl * ar_scale * rng.uniform(0.8, 1.2, acl.shape)
+    ar_l, acl_l = ar.tolist(), acl.tolist()
+    ar_l[0][-3:] = acl_l[0][-3:] = [None] * 3  # a rollout that reached its episode's end
+    ok = (base.random((rollouts, steps)) < 0.5).tolist()
+    return {"tf_mse": (cl * tf_scale * rng.uniform(0.8, 1.2, n)).tolist(), "tf_copy_last_mse": cl.tolist(),
+            "ar_mse": ar_l, "ar_copy_last_mse": acl_l, "ar_statusbar_ok": ok}
+
+
+def test_compare_sees_a_real_difference_and_not_noise():
+    rng = np.random.default_rng(1)
+    a, b = _report(rng, 0.8, 0.9), _report(rng, 0.5, 0.9)  # B's teacher-forced errors far lower, AR alike
+    rows = {r[0]: r for r in compare.compare(a, b, resamples=400)}
+    name, va, vb, d, lo, hi = rows["teacher-forced PSNR"]
+    assert d == pytest.approx(vb - va) and d > 1.5 and 0 < lo < d < hi  # 10*log10(0.8/0.5) ~ 2 dB, seen
+    _, _, _, d, lo, hi = rows["autoregressive PSNR, steps 1-16"]
+    assert lo < 0 < hi and abs(d) < 0.5  # the same model up to noise: not seen
+    assert rows["status bar read right, autoregressive (%)"][3] == 0  # the same reads
+    assert "least autoregressive gain over copy-last" in rows and "autoregressive PSNR, step 8" in rows
+
+
+def test_compare_refuses_reports_on_other_targets(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    a, b = _report(rng, 0.8, 0.9), _report(rng, 0.8, 0.9)
+    b["tf_copy_last_mse"] = (np.array(b["tf_copy_last_mse"]) + 1).tolist()  # other targets
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert compare.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not evaluated on the same targets" in err
+    (tmp_path / "old.json").write_text(json.dumps({"tf_psnr": 20.0}))  # a report from before the errors were kept
+    assert compare.main([str(tmp_path / "old.json"), str(tmp_path / "a.json")]) == 2
+    assert "re-evaluate" in capsys.readouterr().err
 
 
 def test_motion_names_what_a_step_did_to_the_view():

@@ -34,7 +34,10 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
   the start frame: free[run].sharpness, gradient energy (far below 1: the melt, or a white or dark
   blow-out; far above 1: noise), and free[run].colour_cast (rollout_strip.colour_cast: a red drift;
   start_colour_cast is the start frame's). OUT/free.png: one row per run.
-Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs.
+Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs. The per-frame
+errors behind the teacher-forced and autoregressive PSNRs (tf_mse, ar_mse and their copy-last twins) and the
+rollouts' per-step status-bar reads (ar_statusbar_ok) are kept, so that `training.compare` can tell two
+checkpoints evaluated on the same targets apart from the evaluation's own noise.
 """
 
 from __future__ import annotations
@@ -152,6 +155,11 @@ def _masked(metric: Any, gen: np.ndarray, real: np.ndarray, alive: np.ndarray) -
             for t in range(alive.shape[1])]
 
 
+def _per_step(x: np.ndarray, alive: np.ndarray) -> list[list]:
+    """(rollouts, steps) values as JSON lists, null where the rollout has ended."""
+    return [[v.item() if ok else None for v, ok in zip(xr, ar, strict=True)] for xr, ar in zip(x, alive, strict=True)]
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     torch.set_num_threads(a.threads)
@@ -228,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "real_statusbar_acc": _fraction(sb_real),
         "ae_statusbar_acc": ae_ev["statusbar_acc"] if sb else None,
         "tf_statusbar_acc": _fraction(sb_tf),
+        # per target, for paired comparisons of two evaluations (training.compare)
+        "tf_mse": M.frame_mse(gen, real).tolist(),
+        "tf_copy_last_mse": M.frame_mse(prev, real).tolist(),
     }
 
     # -- autoregressive ----------------------------------------------------------------------
@@ -266,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     report["statusbar_fields"] = {"real": _fields(sb_real), "ae": ae_ev["statusbar_fields"] if sb else None,
                                   "tf": _fields(sb_tf), "ar": None if sb_ar is None else _fields(sb_ar[alive])}
     report["n_rollouts"] = len(starts)
+    # per rollout and step (null past its episode's end), for paired comparisons (training.compare)
+    report["ar_mse"] = _per_step(M.frame_mse(ar_gen, ar_real), alive)
+    report["ar_copy_last_mse"] = _per_step(M.frame_mse(ar_copy, ar_real), alive)
+    report["ar_statusbar_ok"] = None if sb_ar is None else _per_step(sb_ar.all(-1), alive)
     report.update(still_views(eng, ckpt.ae, real[: a.still], a.still_steps, out))
     report.update(free_runs(eng, a.free_steps, out))
     if sb:  # last: the rows above draw the engine's noise exactly as before this was measured
