@@ -24,7 +24,7 @@ import numpy as np
 from neuraldoom.config import parse_args
 from neuraldoom.metrics import psnr_from_mse
 
-STEPS = (8, 32, 64, 128)
+STEPS = (8, 32, 64, 128)  # the autoregressive steps a comparison, and a recipe row (training.experiment), report
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ from pathlib import Path
 from neuraldoom.config import parse_args
 from neuraldoom.files import write_text
 from training import evaluate, train_diffusion
-
-STEPS = (8, 32, 64, 128)  # the autoregressive steps a row reports
+from training.compare import STEPS
 
 
 @dataclass(frozen=True)
