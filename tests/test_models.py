@@ -636,3 +636,30 @@ def test_widening_keeps_what_the_denoiser_computes_and_splits_the_copies_unevenl
     with pytest.raises(ValueError, match="groups"):  # (8, 16): 8 groups, (16, 32): 16 — not the same function
         widen(build_denoiser(DenoiserConfig(**TINY_DENOISER), 4, (16, 20)), DenoiserConfig(**TINY_DENOISER), 4,
               (16, 20), 2)
+
+def test_a_widening_spread_makes_the_copies_differ_and_changes_the_function_only_at_second_order():
+    from dataclasses import replace
+
+    from training.widen import widen
+
+    torch.manual_seed(0)
+    cfg = replace(DenoiserConfig(**TINY_DENOISER), block_out_channels=(32, 64), target="delta")
+    m = build_denoiser(cfg, 4, (16, 20)).eval()
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(3, 4, 16, 20, generator=g), torch.tensor([999, 500, 3]),
+            torch.randn(3, 4, 4, 16, 20, generator=g), torch.randint(0, 7, (3, 5, 2), generator=g),
+            torch.tensor([0, 4, 9]))
+    old = m.unet.down_blocks[0].resnets[0].conv1.weight
+    with torch.no_grad():
+        ref = m(*args)
+        dev = {}
+        for s in (0.01, 0.02):
+            wide, _ = widen(m, cfg, 4, (16, 20), 2, spread=s)
+            w = wide.unet.down_blocks[0].resnets[0].conv1.weight  # its output channels come in pairs of copies
+            pair_mean = (w[0::2] + w[1::2]) / 2  # each input's copies read by halves: sum over them
+            torch.testing.assert_close(pair_mean[:, 0::2] + pair_mean[:, 1::2], old)
+            assert (w[0::2] - w[1::2]).abs().mean() > 0.1 * s * old.std()
+            dev[s] = float((wide.eval()(*args) - ref).norm() / ref.norm())
+    assert 0 < dev[0.01] < 1e-3
+    assert 3 < dev[0.02] / dev[0.01] < 5  # quadratic: antithetic copies cancel at first order
+

@@ -111,6 +111,8 @@ class Args:
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
     widen: int = 1  # with --init-from: every UNet width times this, the function unchanged (training.widen), so a
     # trained model goes on with more capacity instead of a wider one starting from scratch
+    widen_spread: float = 0.0  # with --widen: the copies' incoming weights differ by this share of the weights'
+    # std (antithetic: the function changes at second order), or the copies stay alike for ~10^4 samples
 
 
 ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill", "flow",
@@ -340,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{unexpected})", file=sys.stderr)
             return 2
     if a.widen != 1:
-        model, dcfg = widen(model, dcfg, ae.config.latent_channels, hw, a.widen, seed=a.seed)
+        model, dcfg = widen(model, dcfg, ae.config.latent_channels, hw, a.widen, seed=a.seed,
+                            spread=a.widen_spread)
     try:
         opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.01)
     except CheckpointError as e:
@@ -390,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                  "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "digit_scope": a.digit_scope,
                  "event_share": a.event_share, "event_fields": list(a.event_fields),
                  "digit_fields": list(a.digit_fields),
-                 "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen,
+                 "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "timesteps": a.timesteps, "flow": a.flow}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
