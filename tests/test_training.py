@@ -476,6 +476,34 @@ def test_plan_timesteps_train_only_the_levels_the_sampler_uses(tiny_checkpoint, 
     assert not set(seen[1].tolist()) <= set(levels.tolist())  # the default: the whole schedule
 
 
+def test_importance_timesteps_draw_where_the_gradient_is_noisy_and_weigh_back_to_the_uniform_loss(tiny_checkpoint):
+    from diffusers import DDPMScheduler
+
+    p = train_diffusion.importance_probs(1000, (1.0, 4.0, 9.0, 16.0))
+    torch.testing.assert_close(p.sum(), torch.tensor(1.0))
+    assert torch.all(p[:250] == p[0]) and torch.all(p[750:] == p[999])
+    torch.testing.assert_close(p[999] / p[0], torch.tensor(4.0))  # proportional to the energy's square root
+    t = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    assert abs(float((1.0 / (1000 * p[t])).mean()) - 1.0) < 0.01  # E[1/(T p)] = 1: the expectation is kept
+
+    ck = Checkpoint(tiny_checkpoint)
+    den, cfg = ck.denoiser, ck.denoiser_cfg
+    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction")
+    c, hw = den.unet.config.out_channels, tuple(den.unet.config.sample_size)
+    g = torch.Generator().manual_seed(3)
+    z, ctx = torch.randn(4, c, *hw, generator=g), torch.randn(4, den.context, c, *hw, generator=g)
+    codes = torch.zeros(4, den.context + 1, 2, dtype=torch.long)
+    one = torch.zeros(1000)
+    one[600] = 1.0  # every sample at t = 600, weighted 1/(1000 * 1)
+
+    def loss(**kw) -> float:
+        gen = torch.Generator().manual_seed(0)
+        return float(train_diffusion.diffusion_loss(den, sched, (z, ctx, codes), cfg, 0.0, gen, torch.device("cpu"),
+                                                    "clean", **kw))
+    with torch.no_grad():
+        assert loss(probs=one) == pytest.approx(loss(levels=torch.tensor([600])) / 1000, rel=1e-5)
+
+
 def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):
     from diffusers import DDPMScheduler
 
@@ -866,3 +894,20 @@ def test_export_bounds_play_inside_the_training_frames_statistics(tiny_checkpoin
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "no").exists()
+
+
+def test_noise_scale_reads_a_real_gradient_in_bands(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    from training import latents as L
+    from training import noise_scale
+
+    ck = Checkpoint(tiny_checkpoint)
+    data = L.build(ck.ae, tiny_dataset / "train", tmp_path / "cache", 200)
+    rows = noise_scale.noise_scale(ck, data, 24, 2, 0)
+    assert [(r["lo"], r["hi"]) for r in rows] == [(0, 500), (500, 1000), (0, 1000)]
+    assert rows[-1]["n"] == 24 == rows[0]["n"] + rows[1]["n"]
+    for r in rows:  # E|g|^2 = tr(Sigma) (n-1)/n + |mean|^2: a noise under the energy, both positive
+        assert 0 < r["noise"] and r["energy"] > 0 and r["signal"] < r["energy"]
+    assert rows[0]["energy"] != rows[1]["energy"]
+    assert noise_scale.main(["--checkpoint", str(tiny_checkpoint), "--data", str(tiny_dataset), "--samples", "1",
+                             "--max-frames", "200", "--cache", str(tmp_path / "cache")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("noise_scale: t in [0, 250) drew 1 samples")
