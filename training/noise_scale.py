@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import DDPMScheduler
 
 from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import parse_args
 from neuraldoom.recording import RecordingError
 from training import latents as L
-from training.train_diffusion import diffusion_loss
+from training.train_diffusion import diffusion_loss, noise_schedule
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ def noise_scale(ck: Checkpoint, data: L.LatentSet, samples: int, bands: int, see
     """One row per band of t (the last row: all of t): n, energy, noise, signal, b_simple."""
     model, cfg = ck.denoiser.train(), ck.denoiser_cfg
     T = cfg.num_train_timesteps
-    sched = DDPMScheduler(num_train_timesteps=T, beta_schedule="linear", prediction_type="v_prediction")
+    sched = noise_schedule(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(seed)
     idx = data.targets[torch.randint(0, len(data), (samples,), generator=gen)]

@@ -113,7 +113,8 @@ class Args:
     widen: int = 1  # with --init-from: every UNet width times this, the function unchanged (training.widen), so a
     # trained model goes on with more capacity instead of a wider one starting from scratch
     widen_spread: float = 0.0  # with --widen: the copies' incoming weights differ by this share of the weights'
-    # std (antithetic: the function changes at second order), or the copies stay alike for ~10^4 samples
+    # std (antithetic: the function changes at second order); 0: they start alike and grow apart only as fast as
+    # the weights move. Measured: neither learns faster per sample than the small model (docs/EXPERIMENTS.md)
 
 
 ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill", "flow",
@@ -125,6 +126,12 @@ ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp
 # sample's gradient is noise"). Drawing t with p proportional to sqrt(E) and weighting each sample by
 # 1/(1000 p) keeps the gradient's expectation (the uniform objective) and cuts its variance by ~35%.
 IMPORTANCE_BANDS = (0.78, 1.15, 5.82, 27.9)
+
+
+def noise_schedule(cfg: DenoiserConfig) -> DDPMScheduler:
+    """The forward process the denoiser is trained on: linear betas, v-prediction (the sampler's DDIM matches)."""
+    return DDPMScheduler(num_train_timesteps=cfg.num_train_timesteps, beta_schedule="linear",
+                         prediction_type="v_prediction")
 
 
 def importance_probs(T: int, bands: tuple[float, ...] = IMPORTANCE_BANDS) -> torch.Tensor:
@@ -373,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if step and acc.is_main_process:
         print(f"train_diffusion: resuming at step {step}")
-    sched = DDPMScheduler(num_train_timesteps=dcfg.num_train_timesteps, beta_schedule="linear",
-                          prediction_type="v_prediction")
+    sched = noise_schedule(dcfg)
     prog = trainer.Progress(acc, out / "log.jsonl", a.steps, step, seen, elapsed, a.minutes, "denoiser")
     lr_sched = trainer.lr_schedule(opt, a.schedule, a.warmup, prog)
     model.train()
