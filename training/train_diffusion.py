@@ -219,10 +219,8 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     ctx = torch.where(drop.view(B, 1, 1, 1, 1), torch.zeros_like(ctx), ctx)
     eps = torch.randn(target.shape, generator=gen)
     T = sched.config.num_train_timesteps
-    per_sample = torch.ones(B)
     if probs is not None:
         t = torch.multinomial(probs, B, replacement=True, generator=gen)
-        per_sample = 1.0 / (T * probs[t])
     elif levels is None:
         t = torch.randint(0, T, (B,), generator=gen)
     else:
@@ -230,7 +228,9 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     noisy = sched.add_noise(target, eps, t)
     v = sched.get_velocity(target, eps, t)  # eq. 1: v-prediction
     pred = model(noisy.to(device), t.to(device), ctx.to(device), codes.to(device), bucket.to(device))
-    err = (pred.float() - v.to(device)).pow(2) * per_sample.to(device).view(B, 1, 1, 1)
+    err = (pred.float() - v.to(device)).pow(2)
+    if probs is not None:  # back to the uniform objective's expectation
+        err = err / (T * probs[t]).to(device).view(B, 1, 1, 1)
     if weight is None:
         return err.mean()
     w = weight.to(device)

@@ -33,26 +33,20 @@ from neuraldoom.config import DenoiserConfig
 from neuraldoom.denoiser import Denoiser, build_denoiser, norm_groups
 
 
+def _zero_sum(shape: torch.Size, dim: int, factor: int, size: float, gen: torch.Generator) -> torch.Tensor:
+    """Random noise of std `size` whose entries along `dim`, in consecutive groups of `factor` copies, sum to 0."""
+    noise = torch.randn(shape, generator=gen) * size
+    grouped = list(shape)
+    grouped[dim:dim + 1] = [grouped[dim] // factor, factor]
+    noise = noise.view(grouped)
+    return (noise - noise.mean(dim + 1, keepdim=True)).view(shape)
+
+
 def _split(w: torch.Tensor, dim: int, factor: int, jitter: float, gen: torch.Generator) -> torch.Tensor:
     """Repeat along an input dim and share the weight among the copies: w/factor each, plus a zero-sum
     random part of size jitter·std(w) (the copies' inputs are equal, so the sum is all that counts)."""
     r = w.repeat_interleave(factor, dim) / factor
-    if jitter:
-        noise = torch.randn(r.shape, generator=gen) * jitter * float(w.std())
-        shape = list(r.shape)
-        shape[dim:dim + 1] = [shape[dim] // factor, factor]
-        noise = noise.view(shape)
-        noise = noise - noise.mean(dim + 1, keepdim=True)
-        r = r + noise.view(r.shape)
-    return r
-
-
-def _spread(w: torch.Tensor, factor: int, spread: float, gen: torch.Generator) -> torch.Tensor:
-    """w (out*factor, ...) whose rows come in groups of `factor` copies: add to each group a zero-sum random
-    part of size spread·std(w), so the copies compute different features whose mean is the old one."""
-    shape = (w.shape[0] // factor, factor, *w.shape[1:])
-    noise = torch.randn(shape, generator=gen) * spread * float(w.std())
-    return w + (noise - noise.mean(1, keepdim=True)).view(w.shape)
+    return r + _zero_sum(r.shape, dim, factor, jitter * float(w.std()), gen) if jitter else r
 
 
 def _feature_map(old: nn.Module, new: nn.Module) -> torch.Tensor:
@@ -110,8 +104,8 @@ def widen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int, hw: tuple[
                     v = w.repeat_interleave(p.shape[0] // w.shape[0], 0)
                 else:  # Linear / Conv weights: (out, in, ...)
                     v = w.repeat_interleave(p.shape[0] // w.shape[0], 0)
-                    if spread and p.shape[0] > w.shape[0]:
-                        v = _spread(v, p.shape[0] // w.shape[0], spread, gen)
+                    if spread and p.shape[0] > w.shape[0]:  # the output copies' rows: apart, mean the old
+                        v = v + _zero_sum(v.shape, 0, p.shape[0] // w.shape[0], spread * float(v.std()), gen)
                     f = p.shape[1] // w.shape[1]
                     v = _split(v, 1, f, jitter, gen) if f > 1 else v
                 if v.shape != p.shape:
