@@ -8,7 +8,9 @@ its 95% interval comes from a bootstrap that resamples the targets (teacher-forc
 (autoregressive) together for both. Rows: teacher-forced PSNR; autoregressive PSNR at steps 8 / 32 / 64 /
 128 and over every step; the least gain over copy-last across the steps; the status bar read right in the
 rollouts. An interval that contains 0 is a difference this evaluation cannot see: 64 targets and 8 rollouts
-are few, and the rollouts' rows are the noisiest.
+are few, and the rollouts' rows are the noisiest. The intervals hold the weights fixed: two trainings of
+one recipe that differ only in their seed land further apart than they allow (docs/EXPERIMENTS.md measures
+that spread), so a recipe comparison needs a difference beyond both.
 """
 
 from __future__ import annotations
