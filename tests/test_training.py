@@ -811,6 +811,11 @@ def test_probe_reports_the_rows_on_real_held_out_play(tiny_checkpoint, tiny_data
     rows = rep["rows"]
     assert rep["samples"] == 5 and "one-pass mean, all actions of another target" in rows
     assert rows["sample, temperature 1"]["latent_mse"] != rows["sample, temperature 0"]["latent_mse"]
+    # the later steps started from the real frame: one row per later step of the plan, and the last one
+    # (the least noise) lands nearer the real latent than a sample from pure noise
+    late = [k for k in rows if "from the real frame" in k]
+    assert len(late) == Checkpoint(tiny_checkpoint).sampler_cfg.steps - 1
+    assert rows[late[-1]]["latent_mse"] < rows["sample, temperature 1"]["latent_mse"]
     # the copy-last row is the previous real frame through the autoencoder, against the real frame
     ck = Checkpoint(tiny_checkpoint)
     recs = [r for r in (Recording(p) for p in find_recordings(tiny_dataset / "heldout")) if len(r)]

@@ -7,6 +7,8 @@ For held-out targets with their real context it prints, and writes to OUT/probe.
 - copy-last, the baseline every next-frame model must beat;
 - the sampler's frame at noise temperatures (1 = play's sampler; 0 = its deterministic path): where the
   model is unsure, a sample draws a guess (noise by eye) and a colder one the average (blur);
+- the sampler's later steps started from the real next frame noised to their level (the plan's t): how
+  much of the picture the first step, from the context alone, loses and how much the steps after it;
 - the model's one-pass mean (x0 from pure noise at the first timestep): what it knows with no guessing;
 - the same mean with the current action, then all the actions, taken from other targets: how much the
   actions are used (equal rows: ignored).
@@ -104,6 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         roll = torch.roll(torch.arange(len(ctx)), 1)
         swapped = codes.clone()
         swapped[:, -1] = codes[roll, -1]
+        # the sampler's later steps started from the real next frame noised to their level: which step of
+        # the plan loses the picture (the layout at the first, from context alone, or the detail after it)
+        x_real = den.to_target(z_real, den.reference(ctx, codes))
+        for k in range(1, len(sampler.plan)):
+            tail = DDIMSampler(den, ckpt.sampler_cfg.steps, a.guidance)
+            tail.plan = sampler.plan[k:]
+            t, at, _ = tail.plan[0]
+            rows[f"steps {k + 1}-{len(sampler.plan)} from the real frame at t={t}"] = tail(
+                at**0.5 * x_real + (1 - at) ** 0.5 * noise, ctx, codes)
         rows["one-pass mean"] = mean(codes)
         rows["one-pass mean, current action of another target"] = mean(swapped)
         rows["one-pass mean, all actions of another target"] = mean(codes[roll])
