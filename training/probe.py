@@ -103,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
             v = den(noise, torch.full((len(ctx),), t0), ctx, c, bucket)
             return den.from_target(a0**0.5 * noise - (1 - a0) ** 0.5 * v, den.reference(ctx, c))
 
-        roll = torch.roll(torch.arange(len(ctx)), 1)
-        swapped = codes.clone()
-        swapped[:, -1] = codes[roll, -1]
         # the sampler's later steps started from the real next frame noised to their level: which step of
         # the plan loses the picture (the layout at the first, from context alone, or the detail after it)
         x_real = den.to_target(z_real, den.reference(ctx, codes))
@@ -115,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             t, at, _ = tail.plan[0]
             rows[f"steps {k + 1}-{len(sampler.plan)} from the real frame at t={t}"] = tail(
                 at**0.5 * x_real + (1 - at) ** 0.5 * noise, ctx, codes)
+        roll = torch.roll(torch.arange(len(ctx)), 1)
+        swapped = codes.clone()
+        swapped[:, -1] = codes[roll, -1]
         rows["one-pass mean"] = mean(codes)
         rows["one-pass mean, current action of another target"] = mean(swapped)
         rows["one-pass mean, all actions of another target"] = mean(codes[roll])
