@@ -637,6 +637,7 @@ def test_widening_keeps_what_the_denoiser_computes_and_splits_the_copies_unevenl
         widen(build_denoiser(DenoiserConfig(**TINY_DENOISER), 4, (16, 20)), DenoiserConfig(**TINY_DENOISER), 4,
               (16, 20), 2)
 
+
 def test_a_widening_spread_makes_the_copies_differ_and_changes_the_function_only_at_second_order():
     from dataclasses import replace
 
@@ -662,4 +663,3 @@ def test_a_widening_spread_makes_the_copies_differ_and_changes_the_function_only
             dev[s] = float((wide.eval()(*args) - ref).norm() / ref.norm())
     assert 0 < dev[0.01] < 1e-3
     assert 3 < dev[0.02] / dev[0.01] < 5  # quadratic: antithetic copies cancel at first order
-

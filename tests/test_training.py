@@ -477,8 +477,6 @@ def test_plan_timesteps_train_only_the_levels_the_sampler_uses(tiny_checkpoint, 
 
 
 def test_importance_timesteps_draw_where_the_gradient_is_noisy_and_weigh_back_to_the_uniform_loss(tiny_checkpoint):
-    from diffusers import DDPMScheduler
-
     p = train_diffusion.importance_probs(1000, (1.0, 4.0, 9.0, 16.0))
     torch.testing.assert_close(p.sum(), torch.tensor(1.0))
     assert torch.all(p[:250] == p[0]) and torch.all(p[750:] == p[999])
@@ -488,7 +486,7 @@ def test_importance_timesteps_draw_where_the_gradient_is_noisy_and_weigh_back_to
 
     ck = Checkpoint(tiny_checkpoint)
     den, cfg = ck.denoiser, ck.denoiser_cfg
-    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction")
+    sched = train_diffusion.noise_schedule(cfg)
     c, hw = den.unet.config.out_channels, tuple(den.unet.config.sample_size)
     g = torch.Generator().manual_seed(3)
     z, ctx = torch.randn(4, c, *hw, generator=g), torch.randn(4, den.context, c, *hw, generator=g)

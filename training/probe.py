@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         # the sampler's later steps started from the real next frame noised to their level: which step of
         # the plan loses the picture (the layout at the first, from context alone, or the detail after it)
         x_real = den.to_target(z_real, den.reference(ctx, codes))
+        tail = DDIMSampler(den, ckpt.sampler_cfg.steps, a.guidance)
         for k in range(1, len(sampler.plan)):
-            tail = DDIMSampler(den, ckpt.sampler_cfg.steps, a.guidance)
             tail.plan = sampler.plan[k:]
             t, at, _ = tail.plan[0]
             rows[f"steps {k + 1}-{len(sampler.plan)} from the real frame at t={t}"] = tail(
