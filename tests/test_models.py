@@ -112,6 +112,37 @@ def test_denoiser_overfits_one_batch():
     assert losses[-1] < losses[0] / 5, (losses[0], losses[-1])
 
 
+def test_the_training_pass_is_the_eager_models_loss_and_gradients():
+    """trainer.training_pass (on a CPU the classic attention processor, then torch.compile) trains the same
+    function: one batch's loss and every weight's gradient match the eager model's."""
+    import copy
+
+    from diffusers import DDPMScheduler
+    from diffusers.models.attention_processor import AttnProcessor
+
+    from training import trainer
+    from training.train_diffusion import diffusion_loss
+
+    torch.manual_seed(0)
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    eager = build_denoiser(dcfg, 4, (16, 20)).train()
+    fast = copy.deepcopy(eager)
+    passed = trainer.training_pass(fast, trainer.accelerator("fp32"), compile=True)
+    procs = [m.processor for m in fast.modules() if hasattr(m, "set_processor")]
+    assert procs and all(type(p) is AttnProcessor for p in procs)  # not torch's SDPA, whose CPU backward is slow
+    sched = DDPMScheduler(beta_schedule="linear", prediction_type="v_prediction")
+    x, _, ctx, codes, _ = _batch(dcfg, B=4)
+    losses = []
+    for model in (eager, passed):
+        loss = diffusion_loss(model, sched, (x, ctx, codes), dcfg, 0.1, torch.Generator().manual_seed(3),
+                              torch.device("cpu"))
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    for (name, a), b in zip(eager.named_parameters(), fast.parameters(), strict=True):
+        assert a.grad is not None and torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-6), name
+
+
 def test_sampler_matches_diffusers_ddim_loop():
     torch.manual_seed(0)
     dcfg = DenoiserConfig(**TINY_DENOISER)
@@ -609,6 +640,43 @@ def test_own_frames_replace_the_last_context_frame_with_the_models_sample():
         want = sampler(noise, pctx, pcodes).float()
     torch.testing.assert_close(ctx[2, -1], want[0])
     assert not torch.equal(ctx[0, -1], batch[1][0, -1])
+
+
+def test_own_frames_unrolled_feed_each_generated_frame_to_the_next():
+    """--own-unroll 2: a picked sample's two newest context frames are play's sampler run twice, the second
+    from a context whose newest frame is the first; older frames stay real, and a sample whose window would
+    reach back past its episode's first frame stays real throughout."""
+    from accelerate import Accelerator
+
+    from training.latents import LatentSet
+    from training.train_diffusion import with_own_frames
+
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    torch.manual_seed(0)
+    d = build_denoiser(dcfg, 4, (16, 20)).eval()
+    z = torch.randn(12, 4, 16, 20).half()
+    acts = np.stack([np.arange(12) % 4, np.full(12, 3)], 1)
+    ep_start = np.array([0] * 6 + [6] * 6)
+    valid = np.ones(12, bool)
+    valid[[0, 6]] = False
+    ls = LatentSet(z, acts, ep_start, valid)
+    idx = torch.tensor([8, 4])  # 8 - 2 = 6 opens its episode: nothing to roll out from
+    batch = ls.window(idx, dcfg.context)
+    sampler = DDIMSampler(d, 4, 1.0)
+    acc = Accelerator(cpu=True)
+    _, ctx, _ = with_own_frames(d, sampler, ls, idx, batch, 1.0, torch.Generator().manual_seed(0), acc, unroll=2)
+    assert torch.equal(ctx[0], batch[1][0]) and torch.equal(ctx[1, :-2], batch[1][1, :-2])
+    g = torch.Generator().manual_seed(0)
+    torch.rand(2, generator=g)  # the draw that picked the samples
+    first, second = (torch.randn(1, 4, 16, 20, generator=g) for _ in range(2))
+    with torch.no_grad(), acc.autocast():
+        _, c2, k2 = ls.window(torch.tensor([2]), dcfg.context)
+        own2 = sampler(first, c2, k2).float()
+        _, c3, k3 = ls.window(torch.tensor([3]), dcfg.context)
+        c3[:, -1] = own2
+        own3 = sampler(second, c3, k3).float()
+    torch.testing.assert_close(ctx[1, -2], own2[0])
+    torch.testing.assert_close(ctx[1, -1], own3[0])
 
 
 def test_widening_keeps_what_the_denoiser_computes_and_splits_the_copies_unevenly():

@@ -20,7 +20,7 @@ from training import compare, evaluate, export, train_autoencoder, train_diffusi
 
 TINY_AE = ["--latent-channels", "4", "--encoder-channels", "8", "--decoder-channels", "8"]
 TINY_DM = ["--context", "4", "--block-out-channels", "8", "16", "--attention-heads", "2",
-           "--cross-attention-dim", "16", "--batch", "4", "--max-frames", "300"]
+           "--cross-attention-dim", "16", "--batch", "4", "--max-frames", "300", "--no-compile"]
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +346,7 @@ def test_continued_training_keeps_the_checkpoints_guidance(tiny_checkpoint, tiny
     assert export.main(["--checkpoint", str(tiny_checkpoint), "--guidance", "2.0", "--out", str(g2)]) == 0
     out = tmp_path / "more"
     assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(g2), "--out", str(out), "--steps",
-                                 "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2"]) == 0
+                                 "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2", "--no-compile"]) == 0
     assert Checkpoint(out / "checkpoint").sampler_cfg.cfg == 2.0
 
 
@@ -354,7 +354,7 @@ def test_continued_training_can_take_on_the_action_path(tiny_checkpoint, tiny_da
     out = tmp_path / "aemb"
     assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
                                  "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
-                                 "--action-embed"]) == 0
+                                 "--no-compile", "--action-embed"]) == 0
     ck = Checkpoint(out / "checkpoint")
     assert ck.denoiser_cfg.action_embed and ck.denoiser.action_embed
     assert ck.denoiser.unet.time_embedding.cond_proj.weight.any()  # trained away from its zero start
@@ -366,7 +366,7 @@ def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_data
     out = tmp_path / "warp"
     assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
                                  "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
-                                 "--turn-warp"]) == 0
+                                 "--no-compile", "--turn-warp"]) == 0
     ck, before = Checkpoint(out / "checkpoint"), Checkpoint(tiny_checkpoint)
     assert ck.denoiser_cfg.turn_warp == tuple(d * ck.game.frame_skip for d in A.TURN_BUCKETS)
     assert 0 < ck.denoiser_cfg.warp_rows <= ck.denoiser.unet.config.sample_size[0]
@@ -376,8 +376,8 @@ def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_data
     # and a warped one continues with the other resampling, which its checkpoint keeps
     assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(out / "checkpoint"),
                                  "--out", str(tmp_path / "nearest"), "--steps", "2", "--batch", "2", "--max-frames",
-                                 "300", "--eval-every", "2", "--turn-warp", "--warp-mode", "nearest", "--warp-fill",
-                                 "last"]) == 0
+                                 "300", "--eval-every", "2", "--no-compile", "--turn-warp", "--warp-mode", "nearest",
+                                 "--warp-fill", "last"]) == 0
     ck = Checkpoint(tmp_path / "nearest" / "checkpoint")
     assert ck.denoiser_cfg.warp_mode == "nearest" and ck.denoiser.warp_mode == "nearest"
     assert ck.denoiser_cfg.warp_fill == "last" and ck.denoiser.unseen is not None
@@ -406,7 +406,7 @@ def test_the_learned_motion_trains_resumes_and_is_grafted_into_a_denoiser(tiny_c
 
     out = tmp_path / "moved"
     dm = ["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--steps", "2", "--batch", "2",
-          "--max-frames", "300", "--eval-every", "2"]
+          "--max-frames", "300", "--eval-every", "2", "--no-compile"]
     assert train_diffusion.main([*dm, "--out", str(tmp_path / "x"), "--flow", str(flow_out / "flow")]) == 2
     assert "--turn-warp --warp-fill last" in capsys.readouterr().err
     assert train_diffusion.main([*dm, "--out", str(out), "--turn-warp", "--warp-fill", "last", "--flow",
@@ -442,7 +442,8 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
                                    ["--timesteps", "some"], ["--warp-mode", "cubic", "--turn-warp"],
                                    ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
                                    ["--warp-fill", "last"], ["--digit-scope", "some"],
-                                   ["--event-fields", "ammo", "keys"], ["--digit-fields", "frags"]])
+                                   ["--event-fields", "ammo", "keys"], ["--digit-fields", "frags"],
+                                   ["--own-unroll", "0"], ["--own-unroll", "9"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
@@ -669,7 +670,7 @@ def test_pipeline_runs_every_stage_on_a_tiny_budget(tmp_path):
             "--block-out-channels", "8", "16", "--rollouts", "1", "--rollout-steps", "8",
             "--extra-collect", "--episode-tics 160 --heldout 0.3 --seed 3",
             "--extra-ae", "--encoder-channels 8 --decoder-channels 8 --eval-frames 8 --eval-every 5",
-            "--extra-dm", "--context 4 --attention-heads 2 --cross-attention-dim 16 --max-frames 300"]
+            "--extra-dm", "--context 4 --attention-heads 2 --cross-attention-dim 16 --max-frames 300 --no-compile"]
     assert pipeline.main(argv) == 0
     ck = Checkpoint(out / "checkpoint")
     assert ck.denoiser_cfg.target == "delta"
@@ -755,7 +756,8 @@ def test_diffusion_scales_out_to_two_processes(tiny_checkpoint, tiny_dataset, tm
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     r = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "training.train_diffusion", "--data",
                         str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out), "--steps",
-                        "100000", "--minutes", "0.05", "--batch", "2", "--max-frames", "300", "--eval-every", "2"],
+                        "100000", "--minutes", "0.05", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
+                        "--no-compile"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("2 process(es)") == 1 and r.stdout.count("train_diffusion: step") == 1
@@ -840,7 +842,7 @@ def test_continued_training_can_widen_the_denoiser(tiny_checkpoint, tiny_dataset
                     ck.game, dcfg, ck.sampler_cfg, ck.context_frames, ck.context_actions, {})
     out = tmp_path / "wide"
     argv = ["--data", str(tiny_dataset), "--init-from", str(narrow), "--out", str(out), "--steps", "2", "--batch", "2",
-            "--max-frames", "300", "--eval-every", "2", "--widen", "2"]
+            "--max-frames", "300", "--eval-every", "2", "--no-compile", "--widen", "2"]
     assert train_diffusion.main(argv) == 0
     wide = Checkpoint(out / "checkpoint")
     assert wide.denoiser_cfg.block_out_channels == (64, 128)

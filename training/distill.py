@@ -88,6 +88,7 @@ class Args:
     seed: int = 0
     precision: str = "auto"
     threads: int = 1
+    compile: bool = True  # torch.compile the student's training pass (trainer.training_pass); --no-compile: eager
     own_frames: float = 0.0  # share of samples whose last context frame is the student's own sample of it
     sharp_weight: float = 0.0  # weight of the gradient difference loss against the teacher's clean estimate
     adv_weight: float = 0.0  # a latent critic's hinge loss on the student's clean estimates, relative to the
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     lr_sched = trainer.lr_schedule(opt, "constant", a.warmup, prog)
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
+    model = trainer.training_pass(model, acc, a.compile)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
     own_sampler = DDIMSampler(raw, a.steps, 1.0, ck.sampler_cfg.deadband)  # the student as play runs it
     held_batch = held.window(held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]],

@@ -37,7 +37,7 @@ from neuraldoom.checkpoint import (
     save_checkpoint,
 )
 from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
-from neuraldoom.denoiser import WARP_FILLS, WARP_MODES, Denoiser, build_denoiser, warp_settings
+from neuraldoom.denoiser import WARP_FILLS, WARP_MODES, Denoiser, build_denoiser, frames_read, warp_settings
 from neuraldoom.flow import FlowNet
 from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.sampler import DDIMSampler, denoiser_pass
@@ -66,6 +66,8 @@ class Args:
     clean_share: float = 0.0  # share of samples trained on an un-noised context (the one play feeds)
     own_frames: float = 0.25  # share of samples whose last context frame is the model's own sample of it (with
     # the clean reference, what keeps long rollouts from carrying their errors on; 0.5 measured worse)
+    own_unroll: int = 1  # how many of the newest context frames an own-frames sample generates, each from the
+    # ones before it (1: the last alone); each costs one more run of play's sampler on those samples
     hud_weight: float = 1.0  # loss weight of the latent rows under the status bar: it is game state that
     # barely changes, and an unsure model's small errors there smear its digits within a few steps of play
     drift: float = 0.0  # largest low-frequency offset (latent units) added to the context of a --drift-share of
@@ -94,6 +96,7 @@ class Args:
     seed: int = 0
     precision: str = "auto"  # auto (bf16 autocast on a GPU or a CPU with native bf16), fp32, bf16
     threads: int = 1
+    compile: bool = True  # torch.compile the training pass (trainer.training_pass); --no-compile: eager
     context: int = DenoiserConfig.context
     reads: int = DenoiserConfig.reads
     target: str = DenoiserConfig.target
@@ -239,22 +242,28 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
 
 
 def with_own_frames(model: Denoiser, sampler: DDIMSampler, data: L.LatentSet, idx: torch.Tensor, batch: tuple,
-                    share: float, gen: torch.Generator, acc: Any) -> tuple:
-    """Training on the model's own outputs: for a `share` of the batch, the last context frame becomes the
-    model's own sample of it (play's sampler, from the real frames before it), so training sees the
-    imperfect context that play feeds, and, the delta target being taken against that frame, learns to
-    correct it rather than to carry its errors on."""
+                    share: float, gen: torch.Generator, acc: Any, unroll: int = 1) -> tuple:
+    """Training on the model's own outputs: for a `share` of the batch, the last `unroll` context frames become
+    the model's own rollout of them (play's sampler, from the real frames before them and the real actions,
+    each generated frame fed back as the next one's context), so training sees the imperfect context that
+    play feeds, and, the delta target being taken against the last of them, learns to correct it rather
+    than to carry its errors on. unroll 1: one own frame after real ones; more: the several-step drift of
+    free play (DIAMOND's unrolled training)."""
     target, ctx, codes = batch
-    pick = (torch.rand(len(idx), generator=gen) < share) & (idx - 1 > data.ep_start[idx])
+    pick = (torch.rand(len(idx), generator=gen) < share) & (idx - unroll > data.ep_start[idx])
     if not pick.any():
         return batch
-    _, pctx, pcodes = data.window(idx[pick] - 1, codes.shape[1] - 1, ctx.shape[1])
-    noise = torch.randn(pctx[:, -1].shape, generator=gen)
-    with torch.no_grad(), acc.autocast():
-        own = sampler.sample(noise.to(acc.device), pctx.to(acc.device), pcodes.to(acc.device),
-                             denoiser_pass(model)).float().cpu()
+    own: list[torch.Tensor] = []
+    for j in range(unroll, 0, -1):  # frames idx-unroll ... idx-1, oldest first
+        _, pctx, pcodes = data.window(idx[pick] - j, codes.shape[1] - 1, ctx.shape[1])
+        if own:  # the frames already generated replace their real counterparts at the context's end
+            pctx[:, -len(own):] = torch.stack(own, 1)
+        noise = torch.randn(pctx[:, -1].shape, generator=gen)
+        with torch.no_grad(), acc.autocast():
+            own.append(sampler.sample(noise.to(acc.device), pctx.to(acc.device), pcodes.to(acc.device),
+                                      denoiser_pass(model)).float().cpu())
     ctx = ctx.clone()
-    ctx[pick, -1] = own
+    ctx[pick, -unroll:] = torch.stack(own, 1)
     return target, ctx, codes
 
 
@@ -318,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.drift < 0 or not 0 <= a.drift_share <= 1:
             raise CheckpointError(f"--drift must be >= 0 and --drift-share within [0, 1] (not {a.drift}, "
                                   f"{a.drift_share})")
+        if a.own_unroll < 1:
+            raise CheckpointError(f"--own-unroll must be at least 1, not {a.own_unroll}")
         if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1 or not 0 <= a.own_frames <= 1:
             raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}), --clean-share and "
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
@@ -327,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             dcfg = replace(DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
                            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim,
                            reads=a.reads, target=a.target, action_embed=a.action_embed)
+        if a.own_unroll > frames_read(dcfg):
+            raise CheckpointError(f"--own-unroll {a.own_unroll} is more than the {frames_read(dcfg)} frames the "
+                                  "model reads")
         if a.widen != 1:
             if init is None:
                 raise CheckpointError("--widen grows a trained denoiser: give --init-from CHECKPOINT")
@@ -386,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     model, opt = acc.prepare(model, opt)
     raw = acc.unwrap_model(model)
+    model = trainer.training_pass(model, acc, a.compile)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
     sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
     own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
@@ -418,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         notes = {"steps": prog.step, "samples": prog.seen, "batch": a.batch, "lr": a.lr,
                  "train_frames": int(train.z.shape[0]), "data": str(a.data),
                  "init_from": a.init_from, "autoencoder": str(ae_dir), "reference": a.reference,
-                 "clean_share": a.clean_share, "own_frames": a.own_frames, "schedule": a.schedule,
+                 "clean_share": a.clean_share, "own_frames": a.own_frames, "own_unroll": a.own_unroll,
+                 "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "digit_scope": a.digit_scope,
                  "event_share": a.event_share, "event_fields": list(a.event_fields),
                  "digit_fields": list(a.digit_fields),
@@ -435,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             idx[:k_events] = train.event_targets[torch.randint(0, len(train.event_targets), (k_events,), generator=gen)]
         batch = train.window(idx, dcfg.context, raw.reads)
         if a.own_frames:
-            batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
+            batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc, a.own_unroll)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
                               a.clean_share, weight, a.drift, a.drift_share, levels, probs)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
