@@ -606,6 +606,19 @@ def test_clean_reference_makes_a_static_scene_independent_of_context_noise():
     assert torch.equal(noised, ctx) and not bucket.any()
 
 
+def two_episodes_of_six(dcfg: DenoiserConfig):
+    """A seeded tiny denoiser and a latent set of two 6-frame episodes (their first frames not targets)."""
+    from training.latents import LatentSet
+
+    torch.manual_seed(0)
+    d = build_denoiser(dcfg, 4, (16, 20)).eval()
+    z = torch.randn(12, 4, 16, 20).half()
+    acts = np.stack([np.arange(12) % 4, np.full(12, 3)], 1)
+    valid = np.ones(12, bool)
+    valid[[0, 6]] = False
+    return d, LatentSet(z, acts, np.array([0] * 6 + [6] * 6), valid)
+
+
 def test_own_frames_replace_the_last_context_frame_with_the_models_sample():
     """--own-frames: a picked sample's last context frame is play's sampler run on the frames before it;
     the rest of the window, and samples whose previous frame opens its episode, stay real."""
@@ -613,18 +626,10 @@ def test_own_frames_replace_the_last_context_frame_with_the_models_sample():
 
     from accelerate import Accelerator
 
-    from training.latents import LatentSet
     from training.train_diffusion import with_own_frames
 
     dcfg = replace(DenoiserConfig(**TINY_DENOISER), target="delta", delta_scale=0.5)
-    torch.manual_seed(0)
-    d = build_denoiser(dcfg, 4, (16, 20)).eval()
-    z = torch.randn(12, 4, 16, 20).half()
-    acts = np.stack([np.arange(12) % 4, np.full(12, 3)], 1)
-    ep_start = np.array([0] * 6 + [6] * 6)
-    valid = np.ones(12, bool)
-    valid[[0, 6]] = False
-    ls = LatentSet(z, acts, ep_start, valid)
+    d, ls = two_episodes_of_six(dcfg)
     idx = torch.tensor([3, 7, 9])  # 7: its previous frame (6) opens the episode, nothing to sample it from
     batch = ls.window(idx, dcfg.context)
     sampler = DDIMSampler(d, 4, 1.0)
@@ -648,18 +653,10 @@ def test_own_frames_unrolled_feed_each_generated_frame_to_the_next():
     reach back past its episode's first frame stays real throughout."""
     from accelerate import Accelerator
 
-    from training.latents import LatentSet
     from training.train_diffusion import with_own_frames
 
     dcfg = DenoiserConfig(**TINY_DENOISER)
-    torch.manual_seed(0)
-    d = build_denoiser(dcfg, 4, (16, 20)).eval()
-    z = torch.randn(12, 4, 16, 20).half()
-    acts = np.stack([np.arange(12) % 4, np.full(12, 3)], 1)
-    ep_start = np.array([0] * 6 + [6] * 6)
-    valid = np.ones(12, bool)
-    valid[[0, 6]] = False
-    ls = LatentSet(z, acts, ep_start, valid)
+    d, ls = two_episodes_of_six(dcfg)
     idx = torch.tensor([8, 4])  # 8 - 2 = 6 opens its episode: nothing to roll out from
     batch = ls.window(idx, dcfg.context)
     sampler = DDIMSampler(d, 4, 1.0)
