@@ -14,7 +14,7 @@ from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import AutoencoderConfig, DenoiserConfig
 from neuraldoom.denoiser import build_denoiser
 from neuraldoom.engine import NeuralEngine
-from neuraldoom.sampler import DDIMSampler, ddim_scheduler
+from neuraldoom.sampler import DDIMSampler, ddim_scheduler, denoiser_pass
 from tests.conftest import TINY_DENOISER
 
 TINY_AE = AutoencoderConfig(latent_channels=4, encoder_channels=8, decoder_channels=8)
@@ -141,6 +141,27 @@ def test_the_training_pass_is_the_eager_models_loss_and_gradients():
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
     for (name, a), b in zip(eager.named_parameters(), fast.parameters(), strict=True):
         assert a.grad is not None and torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-6), name
+
+
+def test_the_compiled_sampling_pass_follows_the_batch_size_and_the_live_weights():
+    """trainer.sampling_pass (own frames inside the training loop): compiled with a dynamic batch, it gives the
+    eager pass's output at every batch size, and after the optimizer has moved the weights, the new weights'."""
+    from training import trainer
+
+    torch.manual_seed(0)
+    dcfg = DenoiserConfig(**TINY_DENOISER)
+    d = build_denoiser(dcfg, 4, (16, 20)).train()
+    eager, fast = trainer.sampling_pass(d, compile=False), trainer.sampling_pass(d, compile=True)
+    with torch.no_grad():
+        for b in (3, 5, 2):
+            x, t, ctx, codes, _ = _batch(dcfg, B=b)
+            torch.testing.assert_close(fast(x, t, ctx, codes), eager(x, t, ctx, codes), rtol=1e-4, atol=1e-5)
+        before = eager(x, t, ctx, codes)
+        for p in d.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+        after = fast(x, t, ctx, codes)
+        assert not torch.allclose(after, before, atol=1e-4)
+        torch.testing.assert_close(after, eager(x, t, ctx, codes), rtol=1e-4, atol=1e-5)
 
 
 def test_sampler_matches_diffusers_ddim_loop():
@@ -634,7 +655,8 @@ def test_own_frames_replace_the_last_context_frame_with_the_models_sample():
     batch = ls.window(idx, dcfg.context)
     sampler = DDIMSampler(d, 4, 1.0)
     acc = Accelerator(cpu=True)  # its precision may be another test's (accelerate's state is shared)
-    target, ctx, codes = with_own_frames(d, sampler, ls, idx, batch, 1.0, torch.Generator().manual_seed(0), acc)
+    g0 = torch.Generator().manual_seed(0)
+    target, ctx, codes = with_own_frames(denoiser_pass(d), sampler, ls, idx, batch, 1.0, g0, acc)
     assert torch.equal(target, batch[0]) and torch.equal(codes, batch[2])
     assert torch.equal(ctx[:, :-1], batch[1][:, :-1]) and torch.equal(ctx[1], batch[1][1])
     _, pctx, pcodes = ls.window(torch.tensor([8]), dcfg.context)
@@ -661,7 +683,8 @@ def test_own_frames_unrolled_feed_each_generated_frame_to_the_next():
     batch = ls.window(idx, dcfg.context)
     sampler = DDIMSampler(d, 4, 1.0)
     acc = Accelerator(cpu=True)
-    _, ctx, _ = with_own_frames(d, sampler, ls, idx, batch, 1.0, torch.Generator().manual_seed(0), acc, unroll=2)
+    _, ctx, _ = with_own_frames(denoiser_pass(d), sampler, ls, idx, batch, 1.0, torch.Generator().manual_seed(0), acc,
+                                unroll=2)
     assert torch.equal(ctx[0], batch[1][0]) and torch.equal(ctx[1, :-2], batch[1][1, :-2])
     g = torch.Generator().manual_seed(0)
     torch.rand(2, generator=g)  # the draw that picked the samples

@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     model = trainer.training_pass(model, acc, a.compile)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
     own_sampler = DDIMSampler(raw, a.steps, 1.0, ck.sampler_cfg.deadband)  # the student as play runs it
+    own_pass = trainer.sampling_pass(raw, a.compile)
     held_batch = held.window(held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]],
                              raw.context, raw.reads)
 
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         batch = train.window(idx, raw.context, raw.reads)
         if a.own_frames:
-            batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc)
+            batch = with_own_frames(own_pass, own_sampler, train, idx, batch, a.own_frames, gen, acc)
         with acc.autocast():
             loss, (fake, real, last, action) = distill_batch(model, teacher, plan, batch, gen, acc.device,
                                                              a.sharp_weight)

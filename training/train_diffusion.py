@@ -40,7 +40,7 @@ from neuraldoom.config import DenoiserConfig, SamplerConfig, parse_args
 from neuraldoom.denoiser import WARP_FILLS, WARP_MODES, Denoiser, build_denoiser, frames_read, warp_settings
 from neuraldoom.flow import FlowNet
 from neuraldoom.recording import Recording, RecordingError, find_recordings
-from neuraldoom.sampler import DDIMSampler, denoiser_pass
+from neuraldoom.sampler import DDIMSampler, Pass
 from training import latents as L
 from training import trainer
 from training.widen import widen, widened_config
@@ -241,14 +241,14 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     return (err * (w / w.mean())).mean()
 
 
-def with_own_frames(model: Denoiser, sampler: DDIMSampler, data: L.LatentSet, idx: torch.Tensor, batch: tuple,
+def with_own_frames(denoise: Pass, sampler: DDIMSampler, data: L.LatentSet, idx: torch.Tensor, batch: tuple,
                     share: float, gen: torch.Generator, acc: Any, unroll: int = 1) -> tuple:
     """Training on the model's own outputs: for a `share` of the batch, the last `unroll` context frames become
     the model's own rollout of them (play's sampler, from the real frames before them and the real actions,
     each generated frame fed back as the next one's context), so training sees the imperfect context that
     play feeds, and, the delta target being taken against the last of them, learns to correct it rather
     than to carry its errors on. unroll 1: one own frame after real ones; more: the several-step drift of
-    free play (DIAMOND's unrolled training)."""
+    free play (DIAMOND's unrolled training). denoise: the sampler's denoiser pass (trainer.sampling_pass)."""
     target, ctx, codes = batch
     pick = (torch.rand(len(idx), generator=gen) < share) & (idx - unroll > data.ep_start[idx])
     if not pick.any():
@@ -261,7 +261,7 @@ def with_own_frames(model: Denoiser, sampler: DDIMSampler, data: L.LatentSet, id
         noise = torch.randn(pctx[:, -1].shape, generator=gen)
         with torch.no_grad(), acc.autocast():
             own.append(sampler.sample(noise.to(acc.device), pctx.to(acc.device), pcodes.to(acc.device),
-                                      denoiser_pass(model)).float().cpu())
+                                      denoise).float().cpu())
     ctx = ctx.clone()
     ctx[pick, -unroll:] = torch.stack(own, 1)
     return target, ctx, codes
@@ -404,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
     sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
     own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
+    own_pass = trainer.sampling_pass(raw, a.compile)
     levels = torch.tensor([t for t, _, _ in own_sampler.plan]) if a.timesteps == "plan" else None
     probs = importance_probs(dcfg.num_train_timesteps) if a.timesteps == "importance" else None
     weight = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight,
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             idx[:k_events] = train.event_targets[torch.randint(0, len(train.event_targets), (k_events,), generator=gen)]
         batch = train.window(idx, dcfg.context, raw.reads)
         if a.own_frames:
-            batch = with_own_frames(raw, own_sampler, train, idx, batch, a.own_frames, gen, acc, a.own_unroll)
+            batch = with_own_frames(own_pass, own_sampler, train, idx, batch, a.own_frames, gen, acc, a.own_unroll)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
                               a.clean_share, weight, a.drift, a.drift_share, levels, probs)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)

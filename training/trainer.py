@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from neuraldoom.checkpoint import CheckpointError, load_optimizer, load_state, optimizer_tensors, save_state
 from neuraldoom.engine import bf16_supported
+from neuraldoom.sampler import Pass, denoiser_pass
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -136,6 +137,14 @@ def training_pass(model: torch.nn.Module, acc: Accelerator, compile: bool) -> to
     # about once per call site and process
     warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
     return torch.compile(model)
+
+
+def sampling_pass(denoiser: torch.nn.Module, compile: bool) -> Pass:
+    """The denoiser pass a training loop samples its own frames with (no gradient, the live weights, each step a
+    batch of another size). compile: torch.compile'd with a dynamic batch, so one graph serves every size; it
+    was eager, a third of a compiled training step (docs/EXPERIMENTS.md "The own frames' sampling compiled")."""
+    p = denoiser_pass(denoiser)
+    return torch.compile(p, dynamic=True) if compile else p
 
 
 SCHEDULES = ("constant", "cosine")
