@@ -75,7 +75,9 @@ def denoiser_pass(denoiser: Denoiser, dtype: torch.dtype = torch.float32) -> Den
     with _passes_lock:
         per = _passes.setdefault(denoiser, {})
         if dtype not in per:
-            per[dtype] = DenoiserPass(denoiser, dtype).eval()
+            # the float32 pass wraps the caller's module itself: no .eval() here, which would switch a model in
+            # training to eval mode behind its trainer's back (and recompile its compiled training pass)
+            per[dtype] = DenoiserPass(denoiser, dtype)
         return per[dtype]
 
 

@@ -152,6 +152,7 @@ def test_the_compiled_sampling_pass_follows_the_batch_size_and_the_live_weights(
     dcfg = DenoiserConfig(**TINY_DENOISER)
     d = build_denoiser(dcfg, 4, (16, 20)).train()
     eager, fast = trainer.sampling_pass(d, compile=False), trainer.sampling_pass(d, compile=True)
+    assert d.training  # left in training mode: a switch would recompile the compiled training pass
     with torch.no_grad():
         for b in (3, 5, 2):
             x, t, ctx, codes, _ = _batch(dcfg, B=b)
