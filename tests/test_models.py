@@ -727,6 +727,29 @@ def test_widening_keeps_what_the_denoiser_computes_and_splits_the_copies_unevenl
               (16, 20), 2)
 
 
+def test_deepening_keeps_what_the_denoiser_computes_and_the_new_layers_learn():
+    from dataclasses import replace
+
+    from training.widen import deepen
+
+    torch.manual_seed(0)
+    cfg = replace(DenoiserConfig(**TINY_DENOISER), block_out_channels=(16, 32, 32), target="delta", delta_scale=0.5)
+    m = build_denoiser(cfg, 4, (16, 20)).eval()
+    deep, dcfg = deepen(m, cfg, 4, (16, 20))
+    assert dcfg.layers_per_block == cfg.layers_per_block + 1
+    assert [len(b.resnets) for b in deep.unet.up_blocks] == [cfg.layers_per_block + 2] * 3
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(3, 4, 16, 20, generator=g), torch.tensor([999, 500, 3]),
+            torch.randn(3, 4, 4, 16, 20, generator=g), torch.randint(0, 7, (3, 5, 2), generator=g),
+            torch.tensor([0, 4, 9]))
+    with torch.no_grad():
+        torch.testing.assert_close(deep.eval()(*args), m(*args))
+    deep.train()
+    deep(*args).square().mean().backward()  # the zeroed convolutions get gradients: the new layers can move
+    assert deep.unet.down_blocks[0].resnets[-1].conv2.weight.grad.abs().sum() > 0
+    assert deep.unet.up_blocks[-1].resnets[1].conv2.weight.grad.abs().sum() > 0
+
+
 def test_a_widening_spread_makes_the_copies_differ_and_changes_the_function_only_at_second_order():
     from dataclasses import replace
 

@@ -858,6 +858,26 @@ def test_continued_training_can_widen_the_denoiser(tiny_checkpoint, tiny_dataset
     assert len(err) == 1 and "groups" in err[0]
 
 
+def test_continued_training_can_deepen_the_denoiser(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    out = tmp_path / "deep"
+    argv = ["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out), "--steps", "2",
+            "--batch", "2", "--max-frames", "300", "--eval-every", "2", "--no-compile", "--deepen"]
+    assert train_diffusion.main(argv) == 0
+    layers = Checkpoint(tiny_checkpoint).denoiser_cfg.layers_per_block
+    deep = Checkpoint(out / "checkpoint")
+    assert deep.denoiser_cfg.layers_per_block == layers + 1
+    assert len(deep.denoiser.unet.down_blocks[0].resnets) == layers + 1
+    argv[argv.index("--steps") + 1] = "3"
+    assert train_diffusion.main(argv) == 0  # resumes the deep run
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["notes"]["steps"] == 3
+    capsys.readouterr()
+    bad = ["--data", str(tiny_dataset), "--autoencoder", str(tiny_checkpoint / "autoencoder"), "--out",
+           str(tmp_path / "bad"), "--steps", "2", "--deepen"]
+    assert train_diffusion.main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--init-from" in err[0]
+
+
 def test_export_bounds_play_inside_the_training_frames_statistics(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
     """--bounds-from: the quantiles of the cached training frames' channel means and spreads go into the
     sampler config, and the engine's frames stay inside them; a cache of another encoder, an empty folder

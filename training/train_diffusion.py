@@ -43,7 +43,7 @@ from neuraldoom.recording import Recording, RecordingError, find_recordings
 from neuraldoom.sampler import DDIMSampler, Pass
 from training import latents as L
 from training import trainer
-from training.widen import widen, widened_config
+from training.widen import deepen, widen, widened_config
 
 
 @dataclass(frozen=True)
@@ -118,10 +118,13 @@ class Args:
     widen_spread: float = 0.0  # with --widen: the copies' incoming weights differ by this share of the weights'
     # std (antithetic: the function changes at second order); 0: they start alike and grow apart only as fast as
     # the weights move. Measured: neither learns faster per sample than the small model (docs/EXPERIMENTS.md)
+    deepen: bool = False  # with --init-from: one more layer in every UNet block, the function unchanged
+    # (training.widen.deepen): the latents' full-size level, where fine detail is drawn, gets twice the convolutions
 
 
 ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill", "flow",
-                "block_out_channels", "attention_heads", "cross_attention_dim", "widen")
+                "block_out_channels", "attention_heads", "cross_attention_dim", "widen",
+                "deepen")
 
 
 # The per-sample gradient's energy E|g|^2 of the shipped denoiser in four bands of t (0-249 ... 750-999), a
@@ -341,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_unroll > frames_read(dcfg):
             raise CheckpointError(f"--own-unroll {a.own_unroll} is more than the {frames_read(dcfg)} frames the "
                                   "model reads")
+        if (a.widen != 1 or a.deepen) and init is None:
+            raise CheckpointError("--widen and --deepen grow a trained denoiser: give --init-from CHECKPOINT")
         if a.widen != 1:
-            if init is None:
-                raise CheckpointError("--widen grows a trained denoiser: give --init-from CHECKPOINT")
             try:
                 widened_config(dcfg, a.widen)
             except ValueError as e:
@@ -387,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.widen != 1:
         model, dcfg = widen(model, dcfg, ae.config.latent_channels, hw, a.widen, seed=a.seed,
                             spread=a.widen_spread)
+    if a.deepen:
+        model, dcfg = deepen(model, dcfg, ae.config.latent_channels, hw)
     try:
         opt, ema, step, seen, elapsed = trainer.start_run(state_path, a, ARCHITECTURE, model, weight_decay=0.01)
     except CheckpointError as e:
@@ -440,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                  "event_share": a.event_share, "event_fields": list(a.event_fields),
                  "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
+                 "deepen": a.deepen,
                  "timesteps": a.timesteps, "flow": a.flow}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 

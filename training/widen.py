@@ -114,3 +114,46 @@ def widen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int, hw: tuple[
                     v = v / math.sqrt(factor)  # same heads, each `factor` times as wide: q·k grows by factor
                 p.copy_(v.to(p.dtype))
     return wide, wide_cfg
+
+
+def deepen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int,
+           hw: tuple[int, int]) -> tuple[Denoiser, DenoiserConfig]:
+    """A denoiser with one more layer in every UNet block and the same function (Net2Net's "deeper").
+
+    Each down block gets a last ResNet (and attention) that passes its input through: conv2 and the
+    attention's proj_out are zero, so the block adds nothing until training moves them, and the skip state
+    it hands up equals the one before it. Each up block reads one skip more: the new layer goes second, a
+    ResNet whose 1x1 shortcut keeps the running state and drops the extra skip (an identity again), so the
+    old first layer reads the copy of its old skip and the later ones theirs. The top level's ResNets, the
+    only layers at the latents' full size, then see two 3x3 convolutions more each way."""
+    deep_cfg = replace(cfg, layers_per_block=cfg.layers_per_block + 1)
+    deep = build_denoiser(deep_cfg, latent_channels, hw, model.flow)
+    old = model.state_dict()
+    n_up = cfg.layers_per_block + 1  # ResNets per old up block
+    state = {}
+    for key, value in old.items():
+        parts = key.split(".")
+        if parts[:2] == ["unet", "up_blocks"] and parts[3] in ("resnets", "attentions"):
+            j = int(parts[4])
+            if not 0 <= j < n_up:
+                raise ValueError(f"{key}: an up block holds {n_up} layers")
+            parts[4] = str(j if j == 0 else j + 1)  # the new layer is second
+        state[".".join(parts)] = value
+    missing, unexpected = deep.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"deepening: weights without a place ({unexpected[:3]})")
+    with torch.no_grad():
+        for blocks, new in ((deep.unet.down_blocks, cfg.layers_per_block), (deep.unet.up_blocks, 1)):
+            for block in blocks:
+                res = block.resnets[new]
+                nn.init.zeros_(res.conv2.weight)
+                nn.init.zeros_(res.conv2.bias)
+                if res.conv_shortcut is not None:  # keep the running state, drop the skip concatenated to it
+                    w = torch.zeros_like(res.conv_shortcut.weight)
+                    w[:, :, 0, 0] = torch.eye(w.shape[0], w.shape[1])
+                    res.conv_shortcut.weight.copy_(w)
+                    nn.init.zeros_(res.conv_shortcut.bias)
+                if hasattr(block, "attentions"):
+                    nn.init.zeros_(block.attentions[new].proj_out.weight)
+                    nn.init.zeros_(block.attentions[new].proj_out.bias)
+    return deep, deep_cfg
