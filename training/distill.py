@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -263,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     if acc.is_main_process:
         print(f"distill: {a.steps}-step student of the {teacher.name}, {len(train)} training targets, "
               f"{acc.num_processes} process(es)")
-    last_save = time.time()
     while prog.step < a.iterations and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         batch = train.window(idx, raw.context, raw.reads)
@@ -283,11 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
             prog.write(loss=loss.item(), held_loss=held_loss(), **adv)
-        timeout = prog.over()
-        if time.time() - last_save > a.save_every or prog.step == a.iterations or timeout:
-            save()
-            last_save = time.time()
-        if timeout:
+        if prog.save_or_stop(save, a.save_every):
             break
     prog.close()
     if prog.step and not (out / "checkpoint").exists():

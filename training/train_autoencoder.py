@@ -12,7 +12,6 @@ Saves OUT/autoencoder (diffusers folder) and OUT/ae_state.safetensors (optimizer
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -230,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
             save_state(state_path, t, {**m, "step": prog.step, "seen": prog.seen, "elapsed": prog.seconds,
                                        "args": asdict(a), "model_config": dict(raw.config)})
 
-    last_save = time.time()
     while prog.step < a.steps and not prog.spent():
         x, w = sample_batch(train, rng, a, factor)
         k = int(round(a.pair_share * len(x))) if pairs is not None else 0
@@ -258,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         prog.tick(len(x), loss)
         if prog.step % a.eval_every == 0 or prog.step == a.steps:
             prog.write(loss=loss.item(), **evaluate(raw, eval_frames))
-        timeout = prog.over()
-        if time.time() - last_save > a.save_every or prog.step == a.steps or timeout:
-            save()
-            last_save = time.time()
-        if timeout:
+        if prog.save_or_stop(save, a.save_every):
             break
     prog.close()
     ev = evaluate(raw, eval_frames)

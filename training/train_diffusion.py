@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -451,7 +450,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if acc.is_main_process:
         print(f"train_diffusion: {acc.num_processes} process(es) on {acc.device}, {len(train)} training targets")
-    last_save = time.time()
     while prog.step < a.steps and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         if k_events:
@@ -465,11 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
             prog.write(loss=loss.item(), held_loss=held_loss())
-        timeout = prog.over()
-        if time.time() - last_save > a.save_every or prog.step == a.steps or timeout:
-            save()
-            last_save = time.time()
-        if timeout:
+        if prog.save_or_stop(save, a.save_every):
             break
     prog.close()
     if acc.is_main_process:

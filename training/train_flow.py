@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         save_model_dir(shipped, out / "flow")
 
     net.train()
-    last_save = time.time()
     while prog.step < a.steps and not prog.spent():
         idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
         z, ctx, codes = train.window(idx, 1, a.frames)  # the actions: the current one and the one before
@@ -150,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0:
             prog.write(loss=loss.item(), **held_mse())
-        timeout = prog.over()
-        if time.time() - last_save > a.save_every or prog.step == a.steps or timeout:
-            save()
-            last_save = time.time()
-        if timeout:
+        if prog.save_or_stop(save, a.save_every):
             break
     prog.close()
     h = held_mse()

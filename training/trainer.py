@@ -175,7 +175,7 @@ class Progress:
                  minutes: float, desc: str) -> None:
         self.acc, self.main = acc, acc.is_main_process
         self.step, self.seen, self.elapsed, self.minutes, self.total = step, seen, elapsed, minutes, total
-        self.t0 = time.time()
+        self.t0 = self.saved = time.time()
         self.seen0 = seen
         self.log = open(log, "a") if self.main else None
         self.bar = tqdm(total=total, initial=step, desc=desc, mininterval=10, disable=not self.main)
@@ -216,6 +216,15 @@ class Progress:
 
     def over(self) -> bool:
         return agree(self.acc, bool(self.minutes) and self.seconds > self.minutes * 60)
+
+    def save_or_stop(self, save: Callable[[], None], every: float) -> bool:
+        """After a step: `save()` once `every` seconds have passed since the last save, at the last step and
+        at the time limit; true at the time limit, where the training loop stops."""
+        timeout = self.over()
+        if time.time() - self.saved > every or self.step == self.total or timeout:
+            save()
+            self.saved = time.time()
+        return timeout
 
     def close(self) -> None:
         self.bar.close()
