@@ -95,7 +95,9 @@ class Args:
     seed: int = 0
     precision: str = "auto"  # auto (bf16 autocast on a GPU or a CPU with native bf16), fp32, bf16
     threads: int = 1
-    compile: bool = True  # torch.compile the training pass (trainer.training_pass); --no-compile: eager
+    compile: bool = False  # --compile: torch.compile the training and own-frames passes (trainer.training_pass,
+    # sampling_pass): 1.2x the samples/s, but measured to train worse (0.28 dB teacher-forced at 32k samples,
+    # docs/EXPERIMENTS.md "A deeper denoiser grown from the shipped one"), so off until the cause is found
     context: int = DenoiserConfig.context
     reads: int = DenoiserConfig.reads
     target: str = DenoiserConfig.target

@@ -126,7 +126,9 @@ def training_pass(model: torch.nn.Module, acc: Accelerator, compile: bool) -> to
     attention runs diffusers' classic processor (baddbmm, softmax, bmm): the backward of torch's CPU flash
     kernel took ~40% of a denoiser step, the classic one gives 1.28x the samples/s (a forward alone is ~5%
     slower). compile: torch.compile'd too, 1.61x in all on the 2-core AMX machine (docs/EXPERIMENTS.md "A
-    training step 1.6x faster"); it compiles for ~100 s on the first step of every run and resume."""
+    training step 1.6x faster"); it compiles for ~100 s on the first step of every run and resume. A compiled
+    run was later measured to learn worse than an eager one (docs/EXPERIMENTS.md "A deeper denoiser grown
+    from the shipped one"): the trainers default to eager."""
     if acc.device.type == "cpu":
         for m in model.modules():
             if isinstance(m, Attention):
