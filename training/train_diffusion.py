@@ -96,8 +96,8 @@ class Args:
     precision: str = "auto"  # auto (bf16 autocast on a GPU or a CPU with native bf16), fp32, bf16
     threads: int = 1
     compile: bool = False  # --compile: torch.compile the training and own-frames passes (trainer.training_pass,
-    # sampling_pass): 1.2x the samples/s, but measured to train worse (0.28 dB teacher-forced at 32k samples,
-    # docs/EXPERIMENTS.md "A deeper denoiser grown from the shipped one"), so off until the cause is found
+    # sampling_pass): ~1.2x the samples/s; under CPU bf16 autocast the compiled backward gave most weights no
+    # gradient (docs/EXPERIMENTS.md "A deeper denoiser grown from the shipped one"), so there it stays eager
     context: int = DenoiserConfig.context
     reads: int = DenoiserConfig.reads
     target: str = DenoiserConfig.target

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -127,13 +128,20 @@ def training_pass(model: torch.nn.Module, acc: Accelerator, compile: bool) -> to
     kernel took ~40% of a denoiser step, the classic one gives 1.28x the samples/s (a forward alone is ~5%
     slower). compile: torch.compile'd too, 1.61x in all on the 2-core AMX machine (docs/EXPERIMENTS.md "A
     training step 1.6x faster"); it compiles for ~100 s on the first step of every run and resume. A compiled
-    run was later measured to learn worse than an eager one (docs/EXPERIMENTS.md "A deeper denoiser grown
-    from the shipped one"): the trainers default to eager."""
+    run was later measured to learn worse than an eager one: under CPU bf16 autocast its backward gave most
+    weights no gradient (docs/EXPERIMENTS.md "A deeper denoiser grown from the shipped one"), so there it
+    stays eager, and the trainers default to eager."""
     if acc.device.type == "cpu":
         for m in model.modules():
             if isinstance(m, Attention):
                 m.set_processor(AttnProcessor())
     if not compile:
+        return model
+    if acc.device.type == "cpu" and acc.mixed_precision != "no":
+        # measured: compiled under CPU bf16 autocast, the loss is right but most weights (the time and action
+        # embeddings, everything below the top level) get zero gradients; compiled in fp32 it is exact
+        print("training: --compile trains eager under bf16 autocast on a CPU (compiled, most weights got no "
+              "gradient); add --precision fp32 to compile", file=sys.stderr)
         return model
     # diffusers' up/downsamplers ask an lru_cached torch-version check inside forward: harmless, and warned
     # about once per call site and process
