@@ -137,9 +137,7 @@ def training_pass(model: torch.nn.Module, acc: Accelerator, compile: bool) -> to
                 m.set_processor(AttnProcessor())
     if not compile:
         return model
-    if acc.device.type == "cpu" and acc.mixed_precision != "no":
-        # measured: compiled under CPU bf16 autocast, the loss is right but most weights (the time and action
-        # embeddings, everything below the top level) get zero gradients; compiled in fp32 it is exact
+    if acc.device.type == "cpu" and acc.mixed_precision != "no":  # the zero gradients of the docstring
         print("training: --compile trains eager under bf16 autocast on a CPU (compiled, most weights got no "
               "gradient); add --precision fp32 to compile", file=sys.stderr)
         return model

@@ -128,18 +128,13 @@ def deepen(model: Denoiser, cfg: DenoiserConfig, latent_channels: int,
     only layers at the latents' full size, then see two 3x3 convolutions more each way."""
     deep_cfg = replace(cfg, layers_per_block=cfg.layers_per_block + 1)
     deep = build_denoiser(deep_cfg, latent_channels, hw, model.flow)
-    old = model.state_dict()
-    n_up = cfg.layers_per_block + 1  # ResNets per old up block
     state = {}
-    for key, value in old.items():
+    for key, value in model.state_dict().items():
         parts = key.split(".")
-        if parts[:2] == ["unet", "up_blocks"] and parts[3] in ("resnets", "attentions"):
-            j = int(parts[4])
-            if not 0 <= j < n_up:
-                raise ValueError(f"{key}: an up block holds {n_up} layers")
-            parts[4] = str(j if j == 0 else j + 1)  # the new layer is second
+        if parts[:2] == ["unet", "up_blocks"] and parts[3] in ("resnets", "attentions") and parts[4] != "0":
+            parts[4] = str(int(parts[4]) + 1)  # the new layer is second
         state[".".join(parts)] = value
-    missing, unexpected = deep.load_state_dict(state, strict=False)
+    _, unexpected = deep.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"deepening: weights without a place ({unexpected[:3]})")
     with torch.no_grad():
