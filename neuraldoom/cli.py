@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -102,13 +103,18 @@ def cmd_play(a: argparse.Namespace) -> int:
     )
     if getattr(a, "side_by_side", False):
         return _play_side_by_side(a, opts)
-    engine = make_engine(a)
+    return _play(make_engine(a), client.run, client.summary_line, opts)
+
+
+def _play(source: Any, run: Callable[[Any, Any], dict], summary_line: Callable[[dict], str], opts: Any) -> int:
+    """Play `source` (an engine, or the lockstep pair) through its window loop `run`, close it whatever
+    happens, and end as every play ends: the summary line when headless or interrupted, 130 on Ctrl-C."""
     try:
-        stats = client.run(engine, opts)
+        stats = run(source, opts)
     finally:
-        engine.close()
-    if a.headless or stats["quit"] == "interrupt":
-        print(client.summary_line(stats))
+        source.close()
+    if opts.headless or stats["quit"] == "interrupt":
+        print(summary_line(stats))
     return 130 if stats["quit"] == "interrupt" else 0
 
 
@@ -131,13 +137,7 @@ def _play_side_by_side(a: argparse.Namespace, opts: Any) -> int:
     if given:
         print(f"neuraldoom: {' '.join(given)} ignored: side by side plays the checkpoint's game", file=sys.stderr)
     pair = Lockstep.from_checkpoint(ckpt, compile=not a.no_compile, seed=a.seed or 0)
-    try:
-        stats = sidebyside.run(pair, opts)
-    finally:
-        pair.close()
-    if a.headless or stats["quit"] == "interrupt":
-        print(sidebyside.summary_line(stats))
-    return 130 if stats["quit"] == "interrupt" else 0
+    return _play(pair, sidebyside.run, sidebyside.summary_line, opts)
 
 
 # -- replay / abtest ----------------------------------------------------------------------------------
