@@ -141,10 +141,14 @@ def training_pass(model: torch.nn.Module, acc: Accelerator, compile: bool) -> to
         print("training: --compile trains eager under bf16 autocast on a CPU (compiled, most weights got no "
               "gradient); add --precision fp32 to compile", file=sys.stderr)
         return model
+    return _compiled(model)
+
+
+def _compiled(fn: Any, **options: Any) -> Any:
     # diffusers' up/downsamplers ask an lru_cached torch-version check inside forward: harmless, and warned
     # about once per call site and process
     warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-    return torch.compile(model)
+    return torch.compile(fn, **options)
 
 
 def sampling_pass(denoiser: torch.nn.Module, compile: bool) -> Pass:
@@ -153,7 +157,7 @@ def sampling_pass(denoiser: torch.nn.Module, compile: bool) -> Pass:
     was eager, a third of a compiled training step; compiled, the loop runs 1.11x the samples/s
     (docs/EXPERIMENTS.md "The own frames' sampling compiled")."""
     p = denoiser_pass(denoiser)
-    return torch.compile(p, dynamic=True) if compile else p
+    return _compiled(p, dynamic=True) if compile else p
 
 
 SCHEDULES = ("constant", "cosine")
