@@ -670,12 +670,52 @@ def test_pipeline_runs_every_stage_on_a_tiny_budget(tmp_path):
             "--block-out-channels", "8", "16", "--rollouts", "1", "--rollout-steps", "8",
             "--extra-collect", "--episode-tics 160 --heldout 0.3 --seed 3",
             "--extra-ae", "--encoder-channels 8 --decoder-channels 8 --eval-frames 8 --eval-every 5",
-            "--extra-dm", "--context 4 --attention-heads 2 --cross-attention-dim 16 --max-frames 300 --no-compile"]
+            "--extra-dm", "--context 4 --attention-heads 2 --cross-attention-dim 16 --max-frames 300 --no-compile",
+            "--extra-eval", "--samples 8 --still 0 --events 4"]
     assert pipeline.main(argv) == 0
     ck = Checkpoint(out / "checkpoint")
     assert ck.denoiser_cfg.target == "delta"
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["tf_psnr"] > 0 and len(report["ar_psnr"]) == 8
+
+
+def test_pipeline_continues_a_checkpoint_and_compares_it_with_its_start(tiny_checkpoint, tmp_path, capsys):
+    """--init-from: the checkpoint's game collected, its autoencoder kept, its denoiser trained on, a student
+    distilled, and both the start and the result evaluated on the same held-out play."""
+    from training import pipeline
+
+    out = tmp_path / "gpu"
+    argv = ["--out", str(out), "--init-from", str(tiny_checkpoint), "--frames", "400", "--workers", "1",
+            "--dm-minutes", "0.03", "--batch", "4", "--student-minutes", "0.02", "--rollouts", "1",
+            "--rollout-steps", "4", "--max-frames", "300", "--extra-eval", "--samples 8 --still 0 --events 4",
+            "--extra-collect", "--episode-tics 160 --heldout 0.3 --seed 3"]
+    assert pipeline.main(argv) == 0
+    assert not (out / "ae").exists() and not (out / "dec").exists()
+    start, ck = Checkpoint(tiny_checkpoint), Checkpoint(out / "checkpoint")
+    assert ck.game == start.game and ck.denoiser_cfg == start.denoiser_cfg
+    for x, y in zip(ck.ae.state_dict().values(), start.ae.state_dict().values(), strict=True):
+        assert torch.equal(x, y)  # the autoencoder is the start's
+    assert any(not torch.equal(x, y) for x, y in zip(ck.denoiser.state_dict().values(),
+                                                      start.denoiser.state_dict().values(), strict=True))
+    assert 1 in ck.student_models()  # the new teacher's own student, carried
+    both = [json.loads((out / d / "report.json").read_text()) for d in ("eval-start", "eval")]
+    assert both[0]["copy_last_psnr"] == both[1]["copy_last_psnr"]  # the same held-out targets
+    table = (out / "compare.txt").read_text()
+    assert "teacher-forced" in table and table in capsys.readouterr().out
+    assert pipeline.main([*argv[:2], "--init-from", str(tmp_path / "nothing")]) == 2
+
+
+def test_a_split_without_frames_is_one_line_not_a_traceback(tiny_checkpoint, tmp_path, capsys):
+    """A short collection can leave the held-out split empty (it gets whole episodes): one line, exit 2."""
+    from training import collect
+
+    data = tmp_path / "short"
+    assert collect.main(["--steps", "100", "--out", str(data), "--workers", "1", "--heldout", "0"]) == 0
+    capsys.readouterr()
+    assert train_diffusion.main(["--data", str(data), "--init-from", str(tiny_checkpoint), "--out",
+                                 str(tmp_path / "dm"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "heldout holds no frames" in err and "Traceback" not in err
 
 
 def test_decoder_fine_tune_with_a_discriminator_resumes_it(tiny_ae, tiny_dataset, tmp_path, capsys):

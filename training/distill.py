@@ -181,9 +181,7 @@ def distill_batch(student: torch.nn.Module, teacher: Teacher, plan: list, batch:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    out = Path(a.out)
+    out = trainer.run_folder(a)
     state_path = out / "train_state.safetensors"
     try:
         acc = trainer.accelerator(a.precision)

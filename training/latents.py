@@ -18,7 +18,7 @@ from neuraldoom import autoencoder as AE
 from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import CheckpointError, weights_digest
 from neuraldoom.files import write_text
-from neuraldoom.recording import Recording, open_dataset
+from neuraldoom.recording import Recording, RecordingError, open_dataset
 
 
 def encoder_digest(ae: AutoencoderTiny) -> str:
@@ -70,6 +70,8 @@ def portions(data: Path, max_frames: int) -> list[tuple[Recording, int]]:
     """The recordings under `data` and how many of their first frames a cache of max_frames holds (0: all),
     in the order of its rows: row k of the cache is frame k - (rows before it) of its recording."""
     recs = [r for r in open_dataset(data) if len(r)]
+    if not recs:  # a split gets whole episodes: a short collection can leave one empty
+        raise RecordingError(f"{data} holds no frames: collect more play (or a larger --heldout)")
     per = max(1, max_frames // len(recs)) if max_frames else None
     return [(r, len(r) if per is None else min(len(r), per)) for r in recs]
 

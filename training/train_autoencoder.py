@@ -143,10 +143,7 @@ ARCHITECTURE = ("latent_channels", "encoder_channels", "decoder_channels", "enco
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = trainer.run_folder(a)
     state_path = out / ("dec_state.safetensors" if a.decoder_only else "ae_state.safetensors")
     if a.latent_noise < 0:
         print(f"train_autoencoder: --latent-noise must be >= 0, not {a.latent_noise}", file=sys.stderr)

@@ -284,10 +284,7 @@ def starting_context(data: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = trainer.run_folder(a)
     state_path = out / "train_state.safetensors"
     try:
         acc = trainer.accelerator(a.precision)

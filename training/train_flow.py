@@ -78,10 +78,7 @@ class Mover(torch.nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = trainer.run_folder(a)
     try:
         if a.frames < 1 or a.width < 8 or a.smooth < 0:
             raise CheckpointError(f"--frames must be >= 1, --width >= 8 and --smooth >= 0 (not {a.frames}, "

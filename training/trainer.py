@@ -109,6 +109,16 @@ def save_run(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ema
                          "args": asdict(args)})
 
 
+def run_folder(a: Any) -> Path:
+    """A trainer's first lines: its torch threads (a.threads) and seed (a.seed) set, its run folder (a.out)
+    made."""
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def optimizer_step(acc: Accelerator, model: torch.nn.Module, opt: torch.optim.Optimizer, schedule: Any, ema: Any,
                    loss: torch.Tensor, clip: float = 1.0) -> None:
     """Backward, gradient clipping, the optimizer and schedule steps, and the EMA of the unwrapped weights
