@@ -8,7 +8,8 @@
 #
 # LIMIT (seconds, default 530) bounds the pipeline, so the packing always runs: stopped early, the newest
 # denoiser checkpoint is packed instead (it saves every minute). FRAMES, WORKERS, DM (minutes), BATCH, LR, SM
-# (the student's minutes) and EXTRA (more pipeline flags) override the defaults below.
+# (the student's minutes), FREE (free-play steps evaluated: where CPU continuations of the shipped checkpoint
+# drifted red, docs/EXPERIMENTS.md) and EXTRA (more pipeline flags) override the defaults below.
 set -o pipefail
 : "${OUT:?set OUT to the folder the results go to}"
 PY=${PY:-python3}
@@ -21,12 +22,13 @@ run=/tmp/lent
 # shellcheck disable=SC2086  # EXTRA is a list of flags
 timeout "${LIMIT:-530}" $PY -m training.pipeline --out $run --init-from checkpoints/e1m1 --frames "${FRAMES:-150000}" \
     --workers "${WORKERS:-12}" --max-frames "${FRAMES:-150000}" --dm-minutes "${DM:-4}" --batch "${BATCH:-64}" \
-    --lr "${LR:-4.2e-4}" --student-minutes "${SM:-1}" --extra-dm "--drift 0.6 --save-every 60" ${EXTRA:-} \
+    --lr "${LR:-4.2e-4}" --student-minutes "${SM:-1}" --free-steps "${FREE:-1000}" \
+    --extra-dm "--drift 0.6 --save-every 60" ${EXTRA:-} \
     > "$OUT/pipeline.log" 2>&1
 rc=$?
 grep -a -E '^pipeline|train_diffusion:|distill:|Error' "$OUT/pipeline.log" | cut -c1-300
 cat $run/compare.txt 2>/dev/null
-cp $run/eval/report.json $run/eval/rollout.png $run/compare.txt "$OUT/" 2>/dev/null
+cp $run/eval/report.json $run/eval/rollout.png $run/eval/free.png $run/compare.txt "$OUT/" 2>/dev/null
 ck=$run/checkpoint
 [ -f $ck/config.json ] || ck=$run/dm/checkpoint
 [ -f $ck/config.json ] && tar cf - -C "$(dirname $ck)" "$(basename $ck)" | split -b 15M - "$OUT/ck.tar."
