@@ -4,7 +4,7 @@ fine-tune -> denoiser -> export -> 1-step student -> evaluate), writing the chec
     python -m training.pipeline --out runs/gpu --frames 300000 --ae-minutes 1.5 --dec-minutes 0.5 \\
         --dm-minutes 5 --batch 256 --workers 12
     python -m training.pipeline --out runs/gpu --init-from checkpoints/e1m1 --frames 300000 --workers 12 \\
-        --dm-minutes 6 --batch 64 --lr 4.2e-4 --student-minutes 1 --extra-dm "--drift 0.6"
+        --dm-minutes 5 --batch 64 --lr 4.2e-4 --student-minutes 1 --extra-dm "--drift 0.6"
 
 --init-from continues a trained checkpoint instead of starting over (what the CPU runs found the shipped
 denoiser short of is samples: docs/EXPERIMENTS.md): its game is collected, its autoencoder is kept (no
