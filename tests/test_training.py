@@ -175,6 +175,9 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     assert sorted(rep["free"]) == ["sticky/0", "sticky/1", "straight/0", "straight/1"]
     for run in rep["free"].values():
         assert len(run["sharpness"]) == len(run["colour_cast"]) == 4 and all(x > 0 for x in run["sharpness"])
+        assert run["close_wall"] is None  # 4 steps: no 10th step to count
+    for k in ("real_close_wall", "tf_close_wall", "ar_close_wall", "ar_real_close_wall"):
+        assert 0 <= rep[k] <= 1, k
     from PIL import Image
 
     assert Image.open(out / "free.png").size == (5 * 160, 4 * 120)  # the start and 4 steps, a row per run
@@ -443,7 +446,7 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
                                    ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
                                    ["--warp-fill", "last"], ["--digit-scope", "some"],
                                    ["--event-fields", "ammo", "keys"], ["--digit-fields", "frags"],
-                                   ["--own-unroll", "0"], ["--own-unroll", "9"]])
+                                   ["--own-unroll", "0"], ["--own-unroll", "9"], ["--wall-share", "2"]])
 def test_diffusion_refuses_a_bad_training_option_in_one_line(tiny_ae, tiny_dataset, tmp_path, capsys, flags):
     assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
                                  "--out", str(tmp_path / "run"), "--steps", "2", *flags, *TINY_DM]) == 2
@@ -631,6 +634,50 @@ def test_the_status_bar_events_are_the_rows_whose_numbers_change(tiny_ae, tiny_d
     assert events and events <= set(targets.tolist())  # random play spends ammo within 400 steps
     assert all(seen[i - 1] == (i in events) for i in targets)  # within episodes: a target has a row before
     assert all(maybe[i - 1] for i in events) and sum(maybe[i - 1] for i in targets) > len(events)
+
+
+def test_close_wall_tells_a_wall_seen_from_up_close_from_a_view_with_floor_or_colour(tiny_dataset):
+    from neuraldoom import metrics as M
+    from neuraldoom.recording import open_dataset
+
+    rng = np.random.default_rng(0)
+    stone = np.clip(110 + rng.normal(0, 12, (120, 160, 1)), 0, 255).repeat(3, -1).astype(np.uint8)
+    floor = stone.copy()
+    floor[60:100] = 30  # a dark floor below the horizon
+    brown = stone.copy()
+    brown[..., 2] //= 2  # a wooden wall: not neutral
+    dark = (stone // 4).astype(np.uint8)  # an unlit wall: not mid grey
+    bar_only = stone.copy()
+    bar_only[101:] = 0  # what lies in the status bar's rows does not count
+    got = M.close_wall(np.stack([stone, floor, brown, dark, bar_only]))
+    assert got.tolist() == [True, False, False, False, True]
+    # the real game's start view (a room) is none, and chunks give what one pass gives
+    real = np.asarray(open_dataset(tiny_dataset / "train")[0].frames[:64])
+    assert not M.close_wall(real[:1]).any()
+    assert (M.close_wall(real, chunk=5) == M.close_wall(real)).all()
+
+
+def test_a_wall_share_draws_close_wall_targets_that_much_less(tiny_ae, tiny_dataset, tmp_path):
+    import torch
+    from diffusers import AutoencoderTiny
+
+    from neuraldoom import metrics as M
+    from neuraldoom.checkpoint import load_model_dir
+    from neuraldoom.recording import open_dataset
+    from training import latents as L
+
+    ae = load_model_dir(AutoencoderTiny, tiny_ae / "autoencoder")
+    data = L.build(ae, tiny_dataset / "train", tmp_path / "latents", 0, walls=True)
+    frames = np.concatenate([np.asarray(r.frames) for r in open_dataset(tiny_dataset / "train") if len(r)])
+    assert data.wall.numpy().tolist() == M.close_wall(frames).tolist()
+    data.wall[data.targets[::3]] = True  # the tiny play may face no wall: mark a third of the targets
+    data.open_targets = data.targets[~data.wall[data.targets]]
+    plain = data.targets[torch.randint(0, len(data), (4000,), generator=torch.Generator().manual_seed(3))]
+    assert data.draw(4000, torch.Generator().manual_seed(3)).tolist() == plain.tolist()  # 1: as recorded
+    walls = [float(data.wall[data.draw(4000, torch.Generator().manual_seed(3), s)].float().mean()) for s in (0.5, 0)]
+    share = float(data.wall[plain].float().mean())
+    assert walls[0] == pytest.approx(share / 2, abs=0.03) and walls[1] == 0
+    assert set(data.draw(4000, torch.Generator().manual_seed(3), 0).tolist()) <= set(data.targets.tolist())
 
 
 def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, tiny_dataset, tmp_path):

@@ -33,7 +33,12 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
   no real frames to score against, the frames at N/4, N/2, 3N/4 and N (free_steps) are measured against
   the start frame: free[run].sharpness, gradient energy (far below 1: the melt, or a white or dark
   blow-out; far above 1: noise), and free[run].colour_cast (rollout_strip.colour_cast: a red drift;
-  start_colour_cast is the start frame's). OUT/free.png: one row per run.
+  start_colour_cast is the start frame's), and free[run].close_wall: the share of every 10th step that is
+  one grey wall seen from up close (metrics.close_wall), the view every model's free play settles on.
+  OUT/free.png: one row per run.
+- the close-wall share of the real held-out frames, the teacher-forced frames, the rollouts' frames and
+  their real frames (real_close_wall, tf_close_wall, ar_close_wall, ar_real_close_wall): how much of what
+  the model draws is that one view, against how much of the game is.
 Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs. The per-frame
 errors behind the teacher-forced and autoregressive PSNRs (tf_mse, ar_mse and their copy-last twins) and the
 rollouts' per-step status-bar reads (ar_statusbar_ok) are kept, so that `training.compare` can tell two
@@ -223,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "tf_psnr_nocfg": M.psnr(gen1, real),
         "tf_ssim": M.ssim(gen, real),
         "tf_sharpness": M.sharpness(gen, real),
+        "tf_close_wall": float(M.close_wall(gen).mean()), "real_close_wall": float(M.close_wall(real).mean()),
         "tf_by_motion": by_motion(kinds, gen, prev, real),
         "copy_last_psnr": M.psnr(prev, real),
         "copy_last_ssim": M.ssim(prev, real),
@@ -265,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     mean_gen = np.broadcast_to(mean_frame, ar_real.shape)
     report["ar_mean_frame_psnr"] = _masked(M.psnr, mean_gen, ar_real, alive)
     report["ar_sharpness"] = _masked(M.sharpness, ar_gen, ar_real, alive)
+    wall_gen, wall_real = (M.close_wall(x.reshape(-1, H, W, 3)).reshape(alive.shape) for x in (ar_gen, ar_real))
+    report["ar_close_wall"] = float(wall_gen[alive].mean()) if alive.any() else None
+    report["ar_real_close_wall"] = float(wall_real[alive].mean()) if alive.any() else None
     report["ar_alive"] = alive.sum(0).tolist()
     sb_ar = statusbar_ok(ar_gen.reshape(-1, H, W, 3), ar_vals.reshape(-1, 2, 3)) if sb else None
     sb_ar = None if sb_ar is None else sb_ar.reshape(len(starts), T, 3)
@@ -304,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             ("status bar read right: real / autoencoder / teacher-forced",
              " / ".join(_fmt(report[k]) for k in ("real_statusbar_acc", "ae_statusbar_acc", "tf_statusbar_acc"))),
             ("status bar read right: autoregressive, all steps: model / copy-last",
-             f"{_fmt(report['ar_statusbar_acc'])} / {_fmt(report['ar_copy_last_statusbar_acc'])}")]
+             f"{_fmt(report['ar_statusbar_acc'])} / {_fmt(report['ar_copy_last_statusbar_acc'])}"),
+            ("close-wall share (metrics.close_wall): real / teacher-forced / rollouts / their real frames",
+             f"{report['real_close_wall']:.3f} / {report['tf_close_wall']:.3f} / {_fmt(report['ar_close_wall'])} / "
+             f"{_fmt(report['ar_real_close_wall'])}")]
     for t in (1, 8, 16, 32, 64):
         if t <= T and report["ar_alive"][t - 1]:
             rows.append((f"autoregressive step {t}: model / copy-last / sharpness / status bar",
@@ -323,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in report["free"].items():
         rows.append((f"free play {name}, steps {'/'.join(map(str, report['free_steps']))}: sharpness, colour cast",
                      " / ".join(f"{x:.2f}" for x in run["sharpness"]) + ", " +
-                     " / ".join(f"{x:.0f}" for x in run["colour_cast"])))
+                     " / ".join(f"{x:.0f}" for x in run["colour_cast"]) +
+                     f", close wall {_fmt(run['close_wall'])}"))
     print(f"{'metric':<66} value  (n={report['n_samples']} held-out targets, {len(starts)} rollouts)")
     for k, v in rows:
         print(f"{k:<66} {v:.3f}" if isinstance(v, float) else f"{k:<66} {v}")
@@ -411,13 +424,15 @@ def free_runs(eng: NeuralEngine, steps: int, out: Path) -> dict[str, Any]:
         return {"free_steps": [], "free": {}}
     shown = sorted({max(1, steps * k // 4) for k in (1, 2, 3, 4)})
     runs, rows = {}, []
+    every = range(10, steps + 1, 10)  # the close-wall share is counted on every 10th step
     for policy in ("straight", "sticky"):
         for seed in (0, 1):
-            frames = RS.free_play(eng, policy, seed, steps, tuple(shown))
+            frames = RS.free_play(eng, policy, seed, steps, tuple(sorted({*shown, *every})))
             runs[f"{policy}/{seed}"] = {
                 "sharpness": [M.sharpness(frames[t][None], frames[0][None]) for t in shown],
                 "colour_cast": [RS.colour_cast(frames[t]) for t in shown],
-                "start_colour_cast": RS.colour_cast(frames[0])}
+                "start_colour_cast": RS.colour_cast(frames[0]),
+                "close_wall": float(M.close_wall(np.stack([frames[t] for t in every])).mean()) if every else None}
             rows.append(np.concatenate([frames[t] for t in [0, *shown]], 1))
     with atomic_path(out / "free.png") as tmp:
         Image.fromarray(np.concatenate(rows, 0)).save(tmp)  # rows: straight 0, 1, sticky 0, 1

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from neuraldoom import actions as A
 from neuraldoom import autoencoder as AE
+from neuraldoom import metrics as M
 from neuraldoom import statusbar as SB
 from neuraldoom.checkpoint import CheckpointError, weights_digest
 from neuraldoom.files import write_text
@@ -30,20 +31,32 @@ def encoder_digest(ae: AutoencoderTiny) -> str:
 class LatentSet:
     """Latents (M, C, h, w) fp16, action codes (M, 2), episode start row (M,), target-able rows, and
     optionally which rows are events: the status bar's numbers change there (M,) bool; random play
-    changes them in ~5% of its steps (statusbar.bar_changes), and the denoiser must draw them itself."""
+    changes them in ~5% of its steps (statusbar.bar_changes), and the denoiser must draw them itself;
+    and which rows show a close wall (metrics.close_wall), with the targets that do not."""
 
     def __init__(self, z: torch.Tensor, actions: np.ndarray, ep_start: np.ndarray, valid: np.ndarray,
-                 events: np.ndarray | None = None) -> None:
+                 events: np.ndarray | None = None, walls: np.ndarray | None = None) -> None:
         self.z = z
         self.actions = torch.as_tensor(actions, dtype=torch.int64)
         self.ep_start = torch.as_tensor(ep_start, dtype=torch.int64)
         self.targets = torch.as_tensor(np.flatnonzero(valid))
         ev = np.zeros(len(valid), bool) if events is None else np.asarray(events, bool)
         self.event_targets = torch.as_tensor(np.flatnonzero(ev & np.asarray(valid, bool)))
+        self.wall = torch.as_tensor(np.zeros(len(valid), bool) if walls is None else np.asarray(walls, bool))
+        self.open_targets = torch.as_tensor(np.flatnonzero(np.asarray(valid, bool) & ~self.wall.numpy()))
         self.noop = torch.from_numpy(A.NOOP.code)
 
     def __len__(self) -> int:
         return len(self.targets)
+
+    def draw(self, n: int, gen: torch.Generator, wall_share: float = 1.0) -> torch.Tensor:
+        """n target rows drawn uniformly; a close-wall one is kept with probability wall_share, else
+        replaced by a draw from the others (1: the data as recorded, the generator used as before)."""
+        idx = self.targets[torch.randint(0, len(self), (n,), generator=gen)]
+        if wall_share < 1 and len(self.open_targets):
+            drop = self.wall[idx] & (torch.rand(n, generator=gen) >= wall_share)
+            idx[drop] = self.open_targets[torch.randint(0, len(self.open_targets), (int(drop.sum()),), generator=gen)]
+        return idx
 
     def step_change_std(self) -> float:
         """Std of z_t - z_{t-1} within episodes (the scale of a "delta" target)."""
@@ -76,12 +89,13 @@ def portions(data: Path, max_frames: int) -> list[tuple[Recording, int]]:
     return [(r, len(r) if per is None else min(len(r), per)) for r in recs]
 
 
-def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events: tuple[str, ...] = ()) -> LatentSet:
+def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events: tuple[str, ...] = (),
+          walls: bool = False) -> LatentSet:
     """Encode (or reuse) the first frames of each recording under `data`, up to max_frames in all; with
     `events` (status bar fields), also which rows those numbers change at (reading every frame's bar: ~30 s
-    for 285k frames)."""
+    for 285k frames); with `walls`, which rows show a close wall (~1 minute per 100k frames)."""
     digest = encoder_digest(ae)
-    zs, acts, starts, ts, evs = [], [], [], [], []
+    zs, acts, starts, ts, evs, ws = [], [], [], [], [], []
     offset = 0
     for r, n in portions(data, max_frames):
         d = cache / r.path.parent.name / r.path.name
@@ -109,9 +123,10 @@ def build(ae: AutoencoderTiny, data: Path, cache: Path, max_frames: int, events:
         valid[first] = False  # an episode's first frame has no previous frame to predict it from
         ts.append(valid)
         evs.append(SB.bar_changes(r.frames[:n], ep, events) if events else np.zeros(n, bool))
+        ws.append(M.close_wall(r.frames[:n]) if walls else np.zeros(n, bool))
         offset += n
     return LatentSet(torch.cat(zs), np.concatenate(acts), np.concatenate(starts), np.concatenate(ts),
-                     np.concatenate(evs))
+                     np.concatenate(evs), np.concatenate(ws))
 
 
 def frame_stats(cache: Path, ae: AutoencoderTiny) -> tuple[torch.Tensor, torch.Tensor]:

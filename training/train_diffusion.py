@@ -86,6 +86,9 @@ class Args:
     # drifts red by 750-1,000 steps: the flashes were not the cause (docs/EXPERIMENTS.md)
     digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight ("ammo": 18 cells, not
     # 54; with ammo events the count moved furthest per sample and 500 steps of free play held as the shipped's)
+    wall_share: float = 1.0  # a training target that shows a close wall (metrics.close_wall: ~20% of sticky-random
+    # play, and the grey texture every model's free play settles on) is kept with this probability, else replaced
+    # by one that does not: 1 trains on the data as recorded
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's), "importance" (the
     # same objective, t drawn where the gradient is noisiest and weighted back: IMPORTANCE_BANDS) or "plan" (only
     # the sampler's: play and the students' teacher ask for no other, so every sample trains one that is used)
@@ -319,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--hud-weight and --digit-weight must be > 0, not {a.hud_weight}, {a.digit_weight}")
         if a.digit_scope not in ("all", "events"):
             raise CheckpointError(f"--digit-scope must be all or events, not {a.digit_scope!r}")
+        if not 0 <= a.wall_share <= 1:
+            raise CheckpointError(f"--wall-share must be within [0, 1], not {a.wall_share}")
         if not 0 <= a.event_share <= 1:
             raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
         try:
@@ -355,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         ae.to(acc.device)  # encode on the accelerator when there is one; the checkpoint keeps a CPU copy
         with acc.main_process_first():  # the main process encodes into the cache, the others then read it
             events = a.event_fields if a.event_share > 0 else ()
-            train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames, events=events)
+            train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames, events=events,
+                            walls=a.wall_share < 1)
             held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
         ae.cpu()
     except (CheckpointError, RecordingError) as e:
@@ -444,13 +450,13 @@ def main(argv: list[str] | None = None) -> int:
                  "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
-                 "timesteps": a.timesteps, "flow": a.flow}
+                 "timesteps": a.timesteps, "flow": a.flow, "wall_share": a.wall_share}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
         print(f"train_diffusion: {acc.num_processes} process(es) on {acc.device}, {len(train)} training targets")
     while prog.step < a.steps and not prog.spent():
-        idx = train.targets[torch.randint(0, len(train), (a.batch,), generator=gen)]
+        idx = train.draw(a.batch, gen, a.wall_share)
         if k_events:
             idx[:k_events] = train.event_targets[torch.randint(0, len(train.event_targets), (k_events,), generator=gen)]
         batch = train.window(idx, dcfg.context, raw.reads)
