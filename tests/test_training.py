@@ -214,6 +214,25 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     assert "teacher-forced PSNR" in printed and "+0.00  [+0.00, +0.00]" in printed
 
 
+def test_evaluate_takes_several_rollouts_from_one_episode_where_asked(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    def rollouts(per: str) -> list:
+        out = tmp_path / f"per{per}"
+        assert evaluate.main(["--checkpoint", str(tiny_checkpoint), "--data", str(tiny_dataset), "--out", str(out),
+                              "--samples", "2", "--rollouts", "6", "--rollout-steps", "5", "--still", "0",
+                              "--events", "0", "--per-episode", per]) == 0
+        return json.loads((out / "report.json").read_text())["ar_copy_last_mse"]
+
+    one, three = rollouts("1"), rollouts("3")
+    episodes = len(one)  # one rollout per held-out episode long enough
+    assert 1 <= episodes < 6 and len(three) == min(6, 3 * episodes)
+    assert len({tuple(r) for r in three}) == len(three)  # other starts: other frames held still
+    assert {tuple(r) for r in one} <= {tuple(r) for r in three}  # each episode's first start is the same
+    assert evaluate.main(["--checkpoint", str(tiny_checkpoint), "--data", str(tiny_dataset), "--out",
+                          str(tmp_path / "bad"), "--per-episode", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--per-episode" in err
+
+
 def _report(rng: np.random.Generator, tf_scale: float, ar_scale: float, n: int = 64, rollouts: int = 8,
             steps: int = 16) -> dict:
     """A report as training.evaluate writes it: copy-last's errors fixed by the seed, the model's scaled."""
