@@ -92,6 +92,15 @@ class Args:
     threads: int = 1
 
 
+def rollout_starts(s: int, e: int, n: int, T: int, per_episode: int) -> list[int]:
+    """Where the rollouts of episode [s, e) start: after n frames of context (or at its middle), then every T
+    steps while a whole rollout still fits; none in an episode under T + 3 steps."""
+    if e - s <= T + 2:
+        return []
+    first = s + min(n, (e - s) // 2)
+    return [first + k * T for k in range(per_episode) if k == 0 or first + (k + 1) * T <= e]
+
+
 def history(rec: Recording, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The up-to-n real frames before row i of its episode, and the actions that led to them
     (action j-1 led to frame j; the episode's first frame was led to by no action: NOOP)."""
@@ -254,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- autoregressive ----------------------------------------------------------------------
     T = a.rollout_steps
-    starts = [(r, s + min(n, (e - s) // 2) + k * T) for r in recs for s, e in r.episodes() if e - s > T + 2
-              for k in range(a.per_episode) if k == 0 or s + min(n, (e - s) // 2) + (k + 1) * T <= e]
+    starts = [(r, i) for r in recs for s, e in r.episodes() for i in rollout_starts(s, e, n, T, a.per_episode)]
     starts = [starts[k] for k in rng.choice(len(starts), min(a.rollouts, len(starts)), replace=False)]
     ar_real = np.zeros((len(starts), T, H, W, 3), np.uint8)
     ar_gen, ar_copy = np.zeros_like(ar_real), np.zeros_like(ar_real)
