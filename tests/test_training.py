@@ -522,7 +522,38 @@ def test_importance_timesteps_draw_where_the_gradient_is_noisy_and_weigh_back_to
         return float(train_diffusion.diffusion_loss(den, sched, (z, ctx, codes), cfg, 0.0, gen, torch.device("cpu"),
                                                     "clean", **kw))
     with torch.no_grad():
-        assert loss(probs=one) == pytest.approx(loss(levels=torch.tensor([600])) / 1000, rel=1e-5)
+        assert loss(probs=one, t_weight=1 / (1000 * one)) == pytest.approx(loss(levels=torch.tensor([600])) / 1000,
+                                                                         rel=1e-5)
+
+
+def test_lognormal_timesteps_and_min_snr_weights(tiny_checkpoint):
+    sched = train_diffusion.noise_schedule(Checkpoint(tiny_checkpoint).denoiser_cfg)
+    sig = train_diffusion.sigmas(sched)
+    p = train_diffusion.lognormal_probs(sched, mean=0.0, std=1.0)
+    torch.testing.assert_close(p.sum(), torch.tensor(1.0))
+    t = torch.multinomial(p, 100_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    ls = sig[t].log()
+    assert abs(float(ls.mean())) < 0.03 and abs(float(ls.std()) - 1.0) < 0.03  # ln sigma ~ N(0, 1) as asked
+    shipped = train_diffusion.lognormal_probs(sched)
+    assert float(shipped[750:].sum()) < 0.05 < float(shipped[:250].sum())  # the loud levels seldom drawn
+
+    w = train_diffusion.min_snr_weights(sched, 5.0)
+    torch.testing.assert_close(w.mean(), torch.tensor(1.0))
+    snr = 1 / sig**2
+    raw = torch.minimum(snr, torch.tensor(5.0, dtype=snr.dtype)) / (snr + 1)
+    torch.testing.assert_close(w.double() / w[500].double(), raw / raw[500], rtol=1e-5, atol=1e-9)
+    top = int(torch.argmax(w))
+    assert abs(float(snr[top]) - 5.0) < 1.0  # the weight peaks where SNR = gamma
+    assert float(w[999]) < 1e-3 * float(w[top])  # pure noise counts for next to nothing
+
+
+def test_train_diffusion_refuses_bad_noise_level_options(tmp_path, tiny_checkpoint, capsys):
+    for bad in (["--timesteps", "edm"], ["--snr-gamma", "-1"]):
+        rc = train_diffusion.main(["--data", str(tmp_path), "--init-from", str(tiny_checkpoint),
+                                   "--out", str(tmp_path / "run"), *bad])
+        assert rc == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("--timesteps" in err[0] or "--snr-gamma" in err[0])
 
 
 def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):

@@ -15,6 +15,7 @@ same command resumes) and OUT/checkpoint (a complete playable checkpoint with th
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -90,8 +91,11 @@ class Args:
     # play, and the grey texture every model's free play settles on) is kept with this probability, else replaced
     # by one that does not: 1 trains on the data as recorded
     timesteps: str = "all"  # the noise levels trained: "all" (uniform over the 1,000, the paper's), "importance" (the
-    # same objective, t drawn where the gradient is noisiest and weighted back: IMPORTANCE_BANDS) or "plan" (only
-    # the sampler's: play and the students' teacher ask for no other, so every sample trains one that is used)
+    # same objective, t drawn where the gradient is noisiest and weighted back: IMPORTANCE_BANDS), "plan" (only
+    # the sampler's: play and the students' teacher ask for no other, so every sample trains one that is used) or
+    # "lognormal" (EDM's and DIAMOND's noise levels, not weighted back: LOGNORMAL_SIGMA; 2% of t at 750 or above)
+    snr_gamma: float = 0.0  # > 0: min-SNR loss weighting (Hang et al. 2023), each t's v-loss weighted by
+    # min(SNR, gamma) / (SNR + 1), scaled to mean 1 over the schedule: the loud high-noise levels count for little
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
     save_every: float = 300.0  # seconds
     eval_every: int = 250
@@ -136,6 +140,9 @@ ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp
 # sample's gradient is noise"). Drawing t with p proportional to sqrt(E) and weighting each sample by
 # 1/(1000 p) keeps the gradient's expectation (the uniform objective) and cuts its variance by ~35%.
 IMPORTANCE_BANDS = (0.78, 1.15, 5.82, 27.9)
+# ln(sigma) ~ N(mean, std) of the training noise levels in EDM's sense (sigma = noise std over signal std at t):
+# DIAMOND's (-0.4, 1.2) for data of std 0.5, moved to this denoiser's unit-std targets (+ln 2)
+LOGNORMAL_SIGMA = (-0.4 + math.log(2.0), 1.2)
 
 
 def noise_schedule(cfg: DenoiserConfig) -> DDPMScheduler:
@@ -148,6 +155,29 @@ def importance_probs(T: int, bands: tuple[float, ...] = IMPORTANCE_BANDS) -> tor
     """P(t) over the T timesteps: constant within each band, proportional to sqrt(band energy)."""
     w = torch.tensor(bands, dtype=torch.float64).sqrt().repeat_interleave(-(-T // len(bands)))[:T]
     return (w / w.sum()).float()
+
+
+def sigmas(sched: DDPMScheduler) -> torch.Tensor:
+    """(T,) float64: sigma(t) = sqrt((1 - alpha_bar) / alpha_bar), the noise's std over the signal's."""
+    ab = sched.alphas_cumprod.double()
+    return ((1 - ab) / ab).sqrt()
+
+
+def lognormal_probs(sched: DDPMScheduler, mean: float = LOGNORMAL_SIGMA[0], std: float = LOGNORMAL_SIGMA[1]
+                    ) -> torch.Tensor:
+    """P(t) over the schedule's timesteps that puts ln(sigma(t)) ~ N(mean, std): the normal density in ln(sigma)
+    times the width in ln(sigma) that each t covers."""
+    ls = sigmas(sched).log()
+    p = torch.exp(-((ls - mean) ** 2) / (2 * std**2)) * torch.gradient(ls)[0]
+    return (p / p.sum()).float()
+
+
+def min_snr_weights(sched: DDPMScheduler, gamma: float) -> torch.Tensor:
+    """(T,): the v-loss weight min(SNR, gamma) / (SNR + 1) per t (min-SNR-gamma for v-prediction), scaled to mean 1
+    over the schedule so that a uniform draw keeps the loss's scale (and the gradient clip's meaning)."""
+    snr = 1 / sigmas(sched) ** 2
+    w = snr.clamp(max=gamma) / (snr + 1)
+    return (w / w.mean()).float()
 
 
 def noise_augment(ctx: torch.Tensor, cfg: DenoiserConfig, gen: torch.Generator,
@@ -206,7 +236,7 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
                    clean_share: float = 0.0, weight: torch.Tensor | None = None, drift: float = 0.0,
                    drift_share: float = 0.0, levels: torch.Tensor | None = None,
-                   probs: torch.Tensor | None = None) -> torch.Tensor:
+                   probs: torch.Tensor | None = None, t_weight: torch.Tensor | None = None) -> torch.Tensor:
     """The v-prediction loss of one batch. A "delta" target is taken against the reference (the last
     context frame, turned by the current action when the model warps turns) as the model sees it
     (`reference="seen"`: noise-augmented, so the target also asks it to remove that noise) or as it was
@@ -215,8 +245,9 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     drift: see drift_offsets; the offset is on every context frame and on the reference, so the target is the
     change plus the way back.
     levels: the timesteps to draw from (None: all of the schedule's).
-    probs: P(t) over all the schedule's timesteps (importance_probs), each sample weighted by 1/(T P(t)) so the
-    expectation stays the uniform loss's."""
+    probs: P(t) over all the schedule's timesteps to draw t from (importance_probs, lognormal_probs).
+    t_weight: (T,) the loss weight of each timestep (None: 1): 1/(T P(t)) takes an importance draw back to the
+    uniform loss's expectation; min_snr_weights changes the objective."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
     raw = getattr(model, "module", model)
@@ -239,8 +270,8 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     v = sched.get_velocity(target, eps, t)  # eq. 1: v-prediction
     pred = model(noisy.to(device), t.to(device), ctx.to(device), codes.to(device), bucket.to(device))
     err = (pred.float() - v.to(device)).pow(2)
-    if probs is not None:  # back to the uniform objective's expectation
-        err = err / (T * probs[t]).to(device).view(B, 1, 1, 1)
+    if t_weight is not None:
+        err = err * t_weight[t].to(device).view(B, 1, 1, 1)
     if weight is None:
         return err.mean()
     w = weight.to(device)
@@ -302,8 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         ae = load_model_dir(AutoencoderTiny, ae_dir).eval()
         if a.target not in ("frame", "delta"):
             raise CheckpointError(f"--target must be frame or delta, not {a.target!r}")
-        if a.timesteps not in ("all", "importance", "plan"):
-            raise CheckpointError(f"--timesteps must be all, importance or plan, not {a.timesteps!r}")
+        if a.timesteps not in ("all", "importance", "plan", "lognormal"):
+            raise CheckpointError(f"--timesteps must be all, importance, plan or lognormal, not {a.timesteps!r}")
+        if a.snr_gamma < 0:
+            raise CheckpointError(f"--snr-gamma must be >= 0 (0: off), not {a.snr_gamma}")
         if a.warp_mode not in WARP_MODES:
             raise CheckpointError(f"--warp-mode must be one of {', '.join(WARP_MODES)}, not {a.warp_mode!r}")
         if a.warp_fill not in WARP_FILLS:
@@ -415,7 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
     own_pass = trainer.sampling_pass(raw, a.compile)
     levels = torch.tensor([t for t, _, _ in own_sampler.plan]) if a.timesteps == "plan" else None
-    probs = importance_probs(dcfg.num_train_timesteps) if a.timesteps == "importance" else None
+    probs = t_weight = None
+    if a.timesteps == "importance":
+        probs = importance_probs(dcfg.num_train_timesteps)
+        t_weight = 1 / (dcfg.num_train_timesteps * probs)  # back to the uniform objective's expectation
+    elif a.timesteps == "lognormal":
+        probs = lognormal_probs(sched)
+    if a.snr_gamma:
+        snr_w = min_snr_weights(sched, a.snr_gamma)
+        t_weight = snr_w if t_weight is None else t_weight * snr_w
     weight = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight,
                           a.digit_fields)
     k_events = int(round(a.event_share * a.batch)) if a.event_share and len(train.event_targets) else 0
@@ -450,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                  "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
-                 "timesteps": a.timesteps, "flow": a.flow, "wall_share": a.wall_share}
+                 "timesteps": a.timesteps, "snr_gamma": a.snr_gamma, "flow": a.flow, "wall_share": a.wall_share}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
@@ -463,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_frames:
             batch = with_own_frames(own_pass, own_sampler, train, idx, batch, a.own_frames, gen, acc, a.own_unroll)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
-                              a.clean_share, weight, a.drift, a.drift_share, levels, probs)
+                              a.clean_share, weight, a.drift, a.drift_share, levels, probs, t_weight)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
