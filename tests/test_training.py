@@ -548,12 +548,23 @@ def test_lognormal_timesteps_and_min_snr_weights(tiny_checkpoint):
 
 
 def test_train_diffusion_refuses_bad_noise_level_options(tmp_path, tiny_checkpoint, capsys):
-    for bad in (["--timesteps", "edm"], ["--snr-gamma", "-1"]):
+    for bad in (["--timesteps", "edm"], ["--snr-gamma", "-1"], ["--offset-noise", "-0.1"]):
         rc = train_diffusion.main(["--data", str(tmp_path), "--init-from", str(tiny_checkpoint),
                                    "--out", str(tmp_path / "run"), *bad])
         assert rc == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and ("--timesteps" in err[0] or "--snr-gamma" in err[0])
+        assert len(err) == 1 and any(f in err[0] for f in ("--timesteps", "--snr-gamma", "--offset-noise"))
+
+
+def test_offset_noise_moves_each_channels_mean_and_is_off_at_zero():
+    shape = (4096, 3, 8, 10)
+    plain = train_diffusion.training_noise(shape, 0.0, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(plain, torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    off = train_diffusion.training_noise(shape, 0.5, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(off - plain, (off - plain).mean((2, 3), keepdim=True).expand(shape))  # a constant
+    means = off.mean((2, 3))  # white noise alone: std 1/sqrt(80) = 0.11; with the offset sqrt(0.25 + 0.0125)
+    assert abs(float(means.std()) - (0.25 + 1 / 80) ** 0.5) < 0.02
+    assert abs(float(plain.mean((2, 3)).std()) - (1 / 80) ** 0.5) < 0.01
 
 
 def test_the_status_bar_rows_and_their_loss_weight(tiny_checkpoint):

@@ -96,6 +96,9 @@ class Args:
     # "lognormal" (EDM's and DIAMOND's noise levels, not weighted back: LOGNORMAL_SIGMA; 2% of t at 750 or above)
     snr_gamma: float = 0.0  # > 0: min-SNR loss weighting (Hang et al. 2023), each t's v-loss weighted by
     # min(SNR, gamma) / (SNR + 1), scaled to mean 1 over the schedule: the loud high-noise levels count for little
+    offset_noise: float = 0.0  # > 0: offset noise (Guttenberg 2023), each sample's training noise given a
+    # per-channel constant of this std on top, so that the model learns to move a whole channel's mean (play's
+    # drift is a colour cast); the sampler still starts from plain Gaussian noise
     max_frames: int = 60000  # frames of DATA/train to encode into the cache (0 = all)
     save_every: float = 300.0  # seconds
     eval_every: int = 250
@@ -203,6 +206,15 @@ def drift_offsets(shape: tuple[int, ...], scale: float, share: float, gen: torch
     return amp.view(B, 1, 1, 1) * (dc + field) / 2**0.5
 
 
+def training_noise(shape: tuple[int, ...], offset: float, gen: torch.Generator) -> torch.Tensor:
+    """(B,C,h,w) the noise a training target is diffused with: white, plus (offset > 0) a constant per sample
+    and channel of std `offset` (offset noise). offset 0 draws exactly the white noise alone."""
+    eps = torch.randn(shape, generator=gen)
+    if offset:
+        eps = eps + offset * torch.randn(*shape[:2], 1, 1, generator=gen)
+    return eps
+
+
 def hud_rows(latent_h: int, factor: int, frame_h: int) -> torch.Tensor:
     """(latent_h,) bool: the latent rows (each `factor` pixel rows) that draw the status bar, not the
     padding rows below the frame."""
@@ -236,7 +248,8 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
                    clean_share: float = 0.0, weight: torch.Tensor | None = None, drift: float = 0.0,
                    drift_share: float = 0.0, levels: torch.Tensor | None = None,
-                   probs: torch.Tensor | None = None, t_weight: torch.Tensor | None = None) -> torch.Tensor:
+                   probs: torch.Tensor | None = None, t_weight: torch.Tensor | None = None,
+                   offset_noise: float = 0.0) -> torch.Tensor:
     """The v-prediction loss of one batch. A "delta" target is taken against the reference (the last
     context frame, turned by the current action when the model warps turns) as the model sees it
     (`reference="seen"`: noise-augmented, so the target also asks it to remove that noise) or as it was
@@ -247,7 +260,8 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     levels: the timesteps to draw from (None: all of the schedule's).
     probs: P(t) over all the schedule's timesteps to draw t from (importance_probs, lognormal_probs).
     t_weight: (T,) the loss weight of each timestep (None: 1): 1/(T P(t)) takes an importance draw back to the
-    uniform loss's expectation; min_snr_weights changes the objective."""
+    uniform loss's expectation; min_snr_weights changes the objective.
+    offset_noise: see training_noise."""
     target, ctx, codes = batch  # (B,C,h,w), (B,N,C,h,w), (B,N+1,2)
     B = len(target)
     raw = getattr(model, "module", model)
@@ -258,7 +272,7 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     target = raw.to_target(target, clean_last if reference == "clean" else raw.reference(ctx, codes))
     drop = torch.rand(B, generator=gen) < dropout
     ctx = torch.where(drop.view(B, 1, 1, 1, 1), torch.zeros_like(ctx), ctx)
-    eps = torch.randn(target.shape, generator=gen)
+    eps = training_noise(target.shape, offset_noise, gen)
     T = sched.config.num_train_timesteps
     if probs is not None:
         t = torch.multinomial(probs, B, replacement=True, generator=gen)
@@ -337,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--timesteps must be all, importance, plan or lognormal, not {a.timesteps!r}")
         if a.snr_gamma < 0:
             raise CheckpointError(f"--snr-gamma must be >= 0 (0: off), not {a.snr_gamma}")
+        if a.offset_noise < 0:
+            raise CheckpointError(f"--offset-noise must be >= 0 (0: off), not {a.offset_noise}")
         if a.warp_mode not in WARP_MODES:
             raise CheckpointError(f"--warp-mode must be one of {', '.join(WARP_MODES)}, not {a.warp_mode!r}")
         if a.warp_fill not in WARP_FILLS:
@@ -491,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                  "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
-                 "timesteps": a.timesteps, "snr_gamma": a.snr_gamma, "flow": a.flow, "wall_share": a.wall_share}
+                 "timesteps": a.timesteps, "snr_gamma": a.snr_gamma, "flow": a.flow, "wall_share": a.wall_share,
+                 "offset_noise": a.offset_noise}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
@@ -504,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.own_frames:
             batch = with_own_frames(own_pass, own_sampler, train, idx, batch, a.own_frames, gen, acc, a.own_unroll)
         loss = diffusion_loss(model, sched, batch, dcfg, a.context_dropout, gen, acc.device, a.reference,
-                              a.clean_share, weight, a.drift, a.drift_share, levels, probs, t_weight)
+                              a.clean_share, weight, a.drift, a.drift_share, levels, probs, t_weight, a.offset_noise)
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
