@@ -108,6 +108,9 @@ class DenoiserConfig:
 @dataclass(frozen=True)
 class SamplerConfig:
     steps: int = 4  # GameNGen §3.3: 4 DDIM steps lose nothing against 20+
+    skip: int = 0  # the plan's first (loudest) steps not run, the rest started from noise at the first level run:
+    # with 4 trailing steps the level after t = 999 keeps 6% of the signal, so the pass at 999 moves the sample
+    # by little (skip 1: 3 passes a frame, measured level with 4 in docs/EXPERIMENTS.md)
     cfg: float = 1.5  # guidance on the past frames only, not the actions
     deadband: float = 0.0  # a delta model's predicted change is dropped in the latent cells where it is under
     # this (RMS over channels, in units of one step's change std): there it is sampling noise, and in play it

@@ -120,7 +120,8 @@ class NeuralEngine:
             denoiser, guidance = ckpt.denoiser, ckpt.sampler_cfg.cfg if guidance is None else guidance
         deadband = ckpt.sampler_cfg.deadband if deadband is None else deadband
         bounds = FrameBounds.from_config(ckpt.sampler_cfg)
-        self.sampler = DDIMSampler(denoiser, steps, guidance, deadband, bounds).eval()
+        skip = 0 if self.student or steps != ckpt.sampler_cfg.steps else ckpt.sampler_cfg.skip  # the shipped plan's
+        self.sampler = DDIMSampler(denoiser, steps, guidance, deadband, bounds, skip).eval()
         self.dtype = resolve_dtype(dtype)
         self.eager = denoiser_pass(denoiser, self.dtype)
         self.denoise = self.eager  # the pass: eager, or the compiled package once it is there

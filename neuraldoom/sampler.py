@@ -116,8 +116,12 @@ class DDIMSampler(nn.Module):
     """forward(noise (1,C,h,w), context (1,N,C,h,w), codes (1,N+1,2)) -> next latent (1,C,h,w)."""
 
     def __init__(self, denoiser: Denoiser, steps: int = 4, cfg: float = 1.5, deadband: float = 0.0,
-                 bounds: FrameBounds | None = None) -> None:
+                 bounds: FrameBounds | None = None, skip: int = 0) -> None:
+        """skip: the plan's first steps not run (SamplerConfig.skip); the noise is scaled to the first level
+        run, as x_t of a zero target (for a delta target, the last frame held)."""
         super().__init__()
+        if not 0 <= skip < steps:
+            raise ValueError(f"skip must be in [0, {steps}) for {steps} steps, got {skip}")
         self.denoiser = denoiser
         self.cfg = float(cfg)
         self.deadband = float(deadband) if denoiser.delta else 0.0  # a frame target has no change to drop
@@ -128,7 +132,8 @@ class DDIMSampler(nn.Module):
         ts = [int(t) for t in sched.timesteps]
         prev = [a[t].item() for t in ts[1:]] + [sched.final_alpha_cumprod.item()]
         # (t, alpha_bar_t, alpha_bar_prev) per step, as Python constants
-        self.plan = [(t, a[t].item(), ap) for t, ap in zip(ts, prev, strict=True)]
+        self.plan = [(t, a[t].item(), ap) for t, ap in zip(ts, prev, strict=True)][skip:]
+        self.start = (1 - self.plan[0][1]) ** 0.5 if skip else 1.0  # the noise's std at the first level run
 
     @property
     def guided(self) -> bool:
@@ -143,7 +148,7 @@ class DDIMSampler(nn.Module):
         executor of one single-threaded worker), the unconditional pass of each step runs there while the
         conditional one runs here: the same calls, so the same numbers as without it. `batched`: both
         passes as one batch-2 call instead (faster on one core; other numbers, by float rounding)."""
-        x = x0 = noise
+        x = x0 = noise if self.start == 1.0 else noise * self.start
         last = self.denoiser.reference(context, codes)  # the reference of a "delta" target
         empty = torch.zeros_like(context) if self.guided else None  # the dropped context, same actions
         if empty is not None and batched:

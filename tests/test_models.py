@@ -214,6 +214,17 @@ def test_sampler_matches_diffusers_ddim_loop():
         # CFG: w=1.5 extrapolates from the context-free prediction towards the conditional one
         guided = DDIMSampler(d, steps=4, cfg=1.5)(noise, ctx, codes)
         assert guided.shape == ours.shape and not torch.allclose(guided, ours)
+        # skip 1: the same loop from t = 749, the noise scaled to x_749 of a zero target
+        short = DDIMSampler(d, steps=4, cfg=1.0, skip=1)
+        assert [t for t, _, _ in short.plan] == [749, 499, 249]
+        x = noise * (1 - sched.alphas_cumprod[749]) ** 0.5
+        for t in sched.timesteps[1:]:
+            v = d(x, t.view(1), ctx, codes, torch.zeros(1, dtype=torch.long))
+            x = sched.step(v, t, x).prev_sample
+        skipped = short(noise, ctx, codes)
+        assert torch.allclose(skipped, x, atol=1e-4) and not torch.allclose(skipped, ours, atol=1e-3)
+    with pytest.raises(ValueError, match="skip"):
+        DDIMSampler(d, steps=4, cfg=1.0, skip=4)
 
 
 def test_checkpoint_round_trip_gives_identical_outputs(tiny_checkpoint):

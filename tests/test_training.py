@@ -363,6 +363,21 @@ def test_export_sets_the_deadband_that_play_then_uses(tiny_run, tiny_checkpoint,
     assert Checkpoint(kept).sampler_cfg.deadband == 0.3
 
 
+def test_export_sets_the_steps_the_teacher_skips_and_play_runs_the_rest(tiny_run, tmp_path, capsys):
+    out = tmp_path / "skip"
+    assert export.main(["--checkpoint", str(tiny_run / "checkpoint"), "--skip", "1", "--out", str(out)]) == 0
+    ck = Checkpoint(out)
+    assert ck.sampler_cfg.steps == 4 and ck.sampler_cfg.skip == 1
+    eng = NeuralEngine(ck, compile=False, teacher=True)
+    assert [t for t, _, _ in eng.sampler.plan] == [749, 499, 249] and eng.label.startswith("3 steps")
+    assert len(NeuralEngine(ck, compile=False, steps=2, teacher=True).sampler.plan) == 2  # another plan: all of it
+    assert export.main(["--checkpoint", str(out), "--out", str(tmp_path / "kept")]) == 0
+    assert Checkpoint(tmp_path / "kept").sampler_cfg.skip == 1
+    assert export.main(["--checkpoint", str(out), "--skip", "4", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--skip" in err[0] and not (tmp_path / "bad").exists()
+
+
 def test_continued_training_keeps_the_checkpoints_guidance(tiny_checkpoint, tiny_dataset, tmp_path):
     g2 = tmp_path / "g2"
     assert export.main(["--checkpoint", str(tiny_checkpoint), "--guidance", "2.0", "--out", str(g2)]) == 0

@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             denoiser, cfg = ck.student(steps), 1.0
         else:
             denoiser, cfg = ck.denoiser, ck.sampler_cfg.cfg
+        skip = 0 if steps in ck.students or steps != ck.sampler_cfg.steps else ck.sampler_cfg.skip
         sampler = DDIMSampler(denoiser, steps, cfg, ck.sampler_cfg.deadband,
-                              FrameBounds.from_config(ck.sampler_cfg)).eval()
+                              FrameBounds.from_config(ck.sampler_cfg), skip).eval()
         data = Path(a.data) / "train"
         cache = Path(a.latents) if a.latents else out / "latents"
         lat = L.build(ck.ae, data, cache / "train", a.max_frames)

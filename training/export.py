@@ -37,6 +37,7 @@ class Args:
     students: tuple[str, ...] = ()  # checkpoints whose distilled students to carry (later ones win)
     guidance: float = 0.0  # the teacher's classifier-free guidance weight to ship (0 = keep the checkpoint's)
     deadband: float = -1.0  # the sampler's deadband to ship (SamplerConfig.deadband; -1 = keep the checkpoint's)
+    skip: int = -1  # the teacher's first DDIM steps not run (SamplerConfig.skip; -1 = keep the checkpoint's)
     bounds_from: str = ""  # a latent cache of the training frames (train_diffusion's OUT/latents/train): hold every
     # generated frame inside their statistics' range (sampler.FrameBounds; "" = keep the checkpoint's)
     bounds_quantile: float = 0.001  # the share of training frames left outside the range at each end
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--half rounds {a.checkpoint}'s denoiser, and its students {sorted(students)} "
                                   f"were distilled from the float32 weights: export --half first, distil from that")
         bounds = L.frame_bounds(*L.frame_stats(Path(a.bounds_from), ck.ae), a.bounds_quantile) if a.bounds_from else {}
+        if a.skip >= ck.sampler_cfg.steps:
+            raise CheckpointError(f"--skip {a.skip} leaves none of the teacher's {ck.sampler_cfg.steps} DDIM steps")
     except CheckpointError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler_cfg = replace(ck.sampler_cfg, cfg=a.guidance) if a.guidance else ck.sampler_cfg
     if a.deadband >= 0:
         sampler_cfg = replace(sampler_cfg, deadband=a.deadband)
+    if a.skip >= 0:
+        sampler_cfg = replace(sampler_cfg, skip=a.skip)
     sampler_cfg = replace(sampler_cfg, **bounds)
     save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, sampler_cfg, ck.context_frames,
                     ck.context_actions, notes, students, half=a.half)

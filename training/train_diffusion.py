@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     model = trainer.training_pass(model, acc, a.compile)
     gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step * 7 + acc.process_index)
     sampler_cfg = init.sampler_cfg if init else SamplerConfig()  # a continued checkpoint samples as it did
-    own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0)  # play's steps, the conditional pass alone
+    own_sampler = DDIMSampler(raw, sampler_cfg.steps, 1.0, skip=sampler_cfg.skip)  # play's plan, conditional pass
     own_pass = trainer.sampling_pass(raw, a.compile)
     levels = torch.tensor([t for t, _, _ in own_sampler.plan]) if a.timesteps == "plan" else None
     probs = t_weight = None
