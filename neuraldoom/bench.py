@@ -203,12 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         busiest = max(v.ms("main"), v.ms("cpu") - v.ms("main"))
         mark = ("*" if v.parallel in LATE and v.cores > 1 else "") + (" <" if v.default else "")
         who = "student" if v.student else "DDIM"
-        print(f"{v.mode:<9}{dtype_name(v.dtype):<9}{who:>8}{v.cfg:>4.1f}{v.steps:>6}{v.cores_label:>10}{v.ms('sample'):>10.1f}"
+        skip = v.eng.sampler.skip
+        steps = f"{v.steps - skip}/{v.steps}" if skip else str(v.steps)  # run / planned: the first steps skipped
+        print(f"{v.mode:<9}{dtype_name(v.dtype):<9}{who:>8}{v.cfg:>4.1f}{steps:>6}{v.cores_label:>10}{v.ms('sample'):>10.1f}"
               f"{v.ms('decode'):>10.1f}{v.ms('wall'):>9.1f}{fps(v):>7.1f}{fps(v) / fps(base):>7.2f}{v.ms('cpu'):>8.1f}"
               f"{busiest:>8.1f}{v.start_s:>8.1f}{mark}")
     print(f"{'real ViZDoom':<46}{'':>20}{1000 / rfps:>9.2f}{rfps:>7.0f}")
     print("<: what `python main.py` plays by default; *: one frame of latency; eager*: the compile failed; "
-          "/b2: the CFG pair as one batch-2 call; student: distilled, guidance folded in")
+          "/b2: the CFG pair as one batch-2 call; student: distilled, guidance folded in; 3/4: 3 of a 4-step plan "
+          "run, its first skipped")
     for comp in ([False, True] if a.compile else [False]):
         k = (comp, dt, guided, steps0)
         one = by.get((*k, 1, "cfg", False))

@@ -157,8 +157,9 @@ class NeuralEngine:
     @property
     def label(self) -> str:
         """What plays, for the overlay: e.g. "2-step student, compiled" or "4 steps CFG 1.5, eager"."""
-        n = len(self.sampler.plan)
-        what = f"{n}-step student" if self.student else f"{n} steps CFG {self.sampler.cfg:g}"
+        n, skip = len(self.sampler.plan), self.sampler.skip
+        steps = f"{n} of {n + skip} steps" if skip else f"{n} steps"  # a plan run without its first steps
+        what = f"{n}-step student" if self.student else f"{steps} CFG {self.sampler.cfg:g}"
         return f"{what}, {'compiled' if self.compiled else 'eager'}"
 
     # -- the compiled pass ----------------------------------------------------------------------------

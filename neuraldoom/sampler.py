@@ -132,6 +132,7 @@ class DDIMSampler(nn.Module):
         ts = [int(t) for t in sched.timesteps]
         prev = [a[t].item() for t in ts[1:]] + [sched.final_alpha_cumprod.item()]
         # (t, alpha_bar_t, alpha_bar_prev) per step, as Python constants
+        self.skip = skip
         self.plan = [(t, a[t].item(), ap) for t, ap in zip(ts, prev, strict=True)][skip:]
         self.start = (1 - self.plan[0][1]) ** 0.5 if skip else 1.0  # the noise's std at the first level run
 

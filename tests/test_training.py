@@ -369,7 +369,7 @@ def test_export_sets_the_steps_the_teacher_skips_and_play_runs_the_rest(tiny_run
     ck = Checkpoint(out)
     assert ck.sampler_cfg.steps == 4 and ck.sampler_cfg.skip == 1
     eng = NeuralEngine(ck, compile=False, teacher=True)
-    assert [t for t, _, _ in eng.sampler.plan] == [749, 499, 249] and eng.label.startswith("3 steps")
+    assert [t for t, _, _ in eng.sampler.plan] == [749, 499, 249] and eng.label.startswith("3 of 4 steps")
     assert len(NeuralEngine(ck, compile=False, steps=2, teacher=True).sampler.plan) == 2  # another plan: all of it
     assert export.main(["--checkpoint", str(out), "--out", str(tmp_path / "kept")]) == 0
     assert Checkpoint(tmp_path / "kept").sampler_cfg.skip == 1
