@@ -1,6 +1,6 @@
-"""DDIM sampling of the next latent (GameNGen §3.3): 4 steps, v-prediction, trailing timesteps, and
-classifier-free guidance on the past frames only (the unconditional pass drops the context, keeps the
-actions).
+"""DDIM sampling of the next latent (GameNGen §3.3): 4 steps (the first may be skipped: SamplerConfig.skip),
+v-prediction, trailing timesteps, and classifier-free guidance on the past frames only (the unconditional
+pass drops the context, keeps the actions).
 
 Each guided step is two batch-1 UNet passes, the conditional and the unconditional one, so that on two
 cores they run at once, one per core (`sample(..., pool=)`), giving the very numbers they give one after
