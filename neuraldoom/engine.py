@@ -38,6 +38,7 @@ from .sampler import (
     example_inputs,
     load_package,
     package_path,
+    plan_skip,
     signature,
 )
 
@@ -120,7 +121,7 @@ class NeuralEngine:
             denoiser, guidance = ckpt.denoiser, ckpt.sampler_cfg.cfg if guidance is None else guidance
         deadband = ckpt.sampler_cfg.deadband if deadband is None else deadband
         bounds = FrameBounds.from_config(ckpt.sampler_cfg)
-        skip = 0 if self.student or steps != ckpt.sampler_cfg.steps else ckpt.sampler_cfg.skip  # the shipped plan's
+        skip = plan_skip(ckpt.sampler_cfg, steps, bool(self.student))
         self.sampler = DDIMSampler(denoiser, steps, guidance, deadband, bounds, skip).eval()
         self.dtype = resolve_dtype(dtype)
         self.eager = denoiser_pass(denoiser, self.dtype)

@@ -175,6 +175,12 @@ class DDIMSampler(nn.Module):
         return z if self.bounds is None else self.bounds.hold(z)
 
 
+def plan_skip(cfg: SamplerConfig, steps: int, student: bool = False) -> int:
+    """The steps a teacher's sampler of `steps` skips: the checkpoint's SamplerConfig.skip for its own plan, none
+    for another step count or a student (whose one plan is what it was distilled to)."""
+    return 0 if student or steps != cfg.steps else cfg.skip
+
+
 def drop_small_changes(change: torch.Tensor, deadband: float) -> torch.Tensor:
     """A delta target (B,C,h,w) with the cells whose change (RMS over channels) is under `deadband` set to
     exactly no change: static content stays the very latent it was instead of taking a random step."""

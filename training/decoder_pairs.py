@@ -30,7 +30,7 @@ from neuraldoom.checkpoint import Checkpoint, CheckpointError, weights_digest
 from neuraldoom.config import parse_args
 from neuraldoom.files import write_text
 from neuraldoom.recording import RecordingError
-from neuraldoom.sampler import DDIMSampler, FrameBounds, denoiser_pass
+from neuraldoom.sampler import DDIMSampler, FrameBounds, denoiser_pass, plan_skip
 from training import latents as L
 from training import trainer
 
@@ -99,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             denoiser, cfg = ck.student(steps), 1.0
         else:
             denoiser, cfg = ck.denoiser, ck.sampler_cfg.cfg
-        skip = 0 if steps in ck.students or steps != ck.sampler_cfg.steps else ck.sampler_cfg.skip
-        sampler = DDIMSampler(denoiser, steps, cfg, ck.sampler_cfg.deadband,
-                              FrameBounds.from_config(ck.sampler_cfg), skip).eval()
+        sampler = DDIMSampler(denoiser, steps, cfg, ck.sampler_cfg.deadband, FrameBounds.from_config(ck.sampler_cfg),
+                              plan_skip(ck.sampler_cfg, steps, steps in ck.students)).eval()
         data = Path(a.data) / "train"
         cache = Path(a.latents) if a.latents else out / "latents"
         lat = L.build(ck.ae, data, cache / "train", a.max_frames)
