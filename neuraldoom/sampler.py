@@ -149,7 +149,7 @@ class DDIMSampler(nn.Module):
         executor of one single-threaded worker), the unconditional pass of each step runs there while the
         conditional one runs here: the same calls, so the same numbers as without it. `batched`: both
         passes as one batch-2 call instead (faster on one core; other numbers, by float rounding)."""
-        x = x0 = noise if self.start == 1.0 else noise * self.start
+        x = x0 = noise * self.start if self.skip else noise
         last = self.denoiser.reference(context, codes)  # the reference of a "delta" target
         empty = torch.zeros_like(context) if self.guided else None  # the dropped context, same actions
         if empty is not None and batched:
