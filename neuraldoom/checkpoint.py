@@ -182,7 +182,7 @@ class Checkpoint:
 
         from . import actions as A
         from .config import DenoiserConfig, GameConfig, SamplerConfig, from_dict
-        from .denoiser import ActionEncoder, Denoiser, frames_read
+        from .denoiser import ActionEncoder, Denoiser, frames_read, input_channels
         from .flow import FlowNet
 
         self.path = Path(path)
@@ -227,10 +227,11 @@ class Checkpoint:
                 f"{self.path / 'context.safetensors'}: frames {tuple(self.context_frames.shape)} / actions "
                 f"{tuple(self.context_actions.shape)} do not match context {n} at {W}x{H}")
         k = frames_read(self.denoiser_cfg)
-        want = self.ae.config.latent_channels * (k + 1)
+        want = input_channels(self.denoiser_cfg, self.ae.config.latent_channels)
         if unet.config.in_channels != want:
+            extra = " and the last estimate (self_cond)" if self.denoiser_cfg.self_cond else ""
             raise CheckpointError(f"{self.path}: unet/ expects {unet.config.in_channels} input channels, "
-                                  f"autoencoder/ and {k} context frames give {want}")
+                                  f"autoencoder/ and {k} context frames{extra} give {want}")
 
     def student(self, steps: int) -> Any:
         """The distilled denoiser of the `steps`-step sampler this checkpoint carries (loaded once)."""

@@ -53,6 +53,11 @@ def frames_read(cfg: DenoiserConfig) -> int:
     return min(cfg.reads, cfg.context) if cfg.reads else cfg.context
 
 
+def input_channels(cfg: DenoiserConfig, latent_channels: int) -> int:
+    """conv_in's width: the noisy target, the context frames read and, with self_cond, the last estimate."""
+    return latent_channels * (frames_read(cfg) + 1 + int(cfg.self_cond))
+
+
 WARP_MODES = ("bicubic", "nearest")
 WARP_FILLS = ("border", "last")
 
@@ -116,7 +121,7 @@ def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, 
     action = dict(time_cond_proj_dim=action_dim()) if cfg.action_embed else {}
     unet = UNet2DConditionModel(
         sample_size=latent_hw,
-        in_channels=latent_channels * (frames_read(cfg) + 1),
+        in_channels=input_channels(cfg, latent_channels),
         out_channels=latent_channels,
         down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (n - 1),
         up_block_types=("CrossAttnUpBlock2D",) * (n - 1) + ("UpBlock2D",),
@@ -148,6 +153,7 @@ class Denoiser(nn.Module):
         self.delta = cfg.target == "delta"
         self.delta_scale = float(cfg.delta_scale)
         self.action_embed = unet.config.time_cond_proj_dim is not None
+        self.self_cond = cfg.self_cond
         if cfg.warp_mode not in WARP_MODES:
             raise ValueError(f"warp_mode must be one of {', '.join(WARP_MODES)}, not {cfg.warp_mode!r}")
         self.warp_mode = cfg.warp_mode
@@ -212,11 +218,15 @@ class Denoiser(nn.Module):
         return self.action_encoder.config.length - 1
 
     def forward(self, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor, actions: torch.Tensor,
-                bucket: torch.Tensor) -> torch.Tensor:
-        # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int
+                bucket: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int;
+        # prev (B, C, h, w): the last step's clean estimate of the target (self_cond; None = zeros, none yet)
         if self.grids is not None:  # conv_in reads the newest frame as turned by the current action
             context = torch.cat([context[:, -self.reads:-1], self.reference(context, actions)[:, None]], 1)
-        x = torch.cat([noisy, context[:, -self.reads:].flatten(1, 2)], 1)  # (B, C*(reads+1), h, w)
+        parts = [noisy, context[:, -self.reads:].flatten(1, 2)]
+        if self.self_cond:  # last on the channels: a graft's new conv_in weights start at zero there
+            parts.append(torch.zeros_like(noisy) if prev is None else prev.to(noisy.dtype))
+        x = torch.cat(parts, 1)  # (B, C*(reads+1+self_cond), h, w)
         tokens = self.action_encoder(actions)  # (B, N+1, D)
         cond = None
         if self.action_embed:  # (B, buttons + turns): the current action
@@ -225,6 +235,18 @@ class Denoiser(nn.Module):
             cond = torch.cat([bits, F.one_hot(now[:, 1], A.NUM_TURNS)], 1).to(noisy.dtype)
         return self.unet(x, t, encoder_hidden_states=tokens, class_labels=bucket, timestep_cond=cond,
                          return_dict=False)[0]
+
+
+def graft_self_cond(state: dict[str, torch.Tensor], model: Denoiser) -> dict[str, torch.Tensor]:
+    """A state dict of a model without self-conditioning made to fit `model` (with it): conv_in's weights on the
+    estimate's channels are zero, so the grafted model computes what the old one did until training moves them."""
+    key = "unet.conv_in.weight"
+    want = model.unet.conv_in.weight
+    if not model.self_cond or state[key].shape == want.shape:
+        return state
+    extra = want.shape[1] - state[key].shape[1]
+    pad = torch.zeros(want.shape[0], extra, *want.shape[2:], dtype=state[key].dtype)
+    return {**state, key: torch.cat([state[key], pad], 1)}
 
 
 def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int],
