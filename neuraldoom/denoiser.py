@@ -237,16 +237,26 @@ class Denoiser(nn.Module):
                          return_dict=False)[0]
 
 
-def graft_self_cond(state: dict[str, torch.Tensor], model: Denoiser) -> dict[str, torch.Tensor]:
-    """A state dict of a model without self-conditioning made to fit `model` (with it): conv_in's weights on the
-    estimate's channels are zero, so the grafted model computes what the old one did until training moves them."""
+def graft(state: dict[str, torch.Tensor], source: DenoiserConfig, model: Denoiser) -> dict[str, torch.Tensor]:
+    """A trained denoiser's state dict (of config `source`) made to fit `model`, which may add to it:
+    - self_cond: conv_in's weights on the estimate's channels are zero, so the grafted model computes what the old
+      one did until training moves them;
+    - only_cross_attention: each transformer block's first attention reads the action tokens instead of the
+      view's cells (its keys and values from the model's fresh init, its output projection zero): the grafted
+      model is the old one without self-attention, and training grows the new attention from nothing."""
+    state = dict(state)
+    own = model.state_dict()
     key = "unet.conv_in.weight"
-    want = model.unet.conv_in.weight
-    if not model.self_cond or state[key].shape == want.shape:
-        return state
-    extra = want.shape[1] - state[key].shape[1]
-    pad = torch.zeros(want.shape[0], extra, *want.shape[2:], dtype=state[key].dtype)
-    return {**state, key: torch.cat([state[key], pad], 1)}
+    if model.self_cond and not source.self_cond:
+        extra = own[key].shape[1] - state[key].shape[1]
+        state[key] = torch.cat([state[key], state[key].new_zeros(own[key].shape[0], extra, *own[key].shape[2:])], 1)
+    if model.unet.config.only_cross_attention and not source.only_cross_attention:
+        for k in own:
+            if ".attn1." in k and any(p in k for p in ("to_k.", "to_v.")):  # self-attention's, now cross
+                state[k] = own[k]
+            elif ".attn1.to_out." in k:
+                state[k] = torch.zeros_like(own[k])
+    return state
 
 
 def build_denoiser(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int],

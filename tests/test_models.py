@@ -480,13 +480,13 @@ def test_the_action_path_grafts_onto_a_trained_denoiser_without_changing_it():
 def test_self_conditioning_grafts_on_without_changing_the_model_and_reads_the_estimate():
     from dataclasses import replace
 
-    from neuraldoom.denoiser import graft_self_cond
+    from neuraldoom.denoiser import graft
 
     cfg = DenoiserConfig(**TINY_DENOISER)
     plain = build_denoiser(cfg, 4, (16, 20)).eval()
     grafted = build_denoiser(replace(cfg, self_cond=True), 4, (16, 20)).eval()
     assert grafted.unet.conv_in.in_channels == plain.unet.conv_in.in_channels + 4
-    grafted.load_state_dict(graft_self_cond(plain.state_dict(), grafted))
+    grafted.load_state_dict(graft(plain.state_dict(), cfg, grafted))
     g = torch.Generator().manual_seed(1)
     args = (torch.randn(2, 4, 16, 20, generator=g), torch.tensor([999, 249]),
             torch.randn(2, 4, 4, 16, 20, generator=g), torch.randint(0, 7, (2, 5, 2), generator=g),
@@ -861,3 +861,29 @@ def test_a_widening_spread_makes_the_copies_differ_and_changes_the_function_only
             dev[s] = float((wide.eval()(*args) - ref).norm() / ref.norm())
     assert 0 < dev[0.01] < 1e-3
     assert 3 < dev[0.02] / dev[0.01] < 5  # quadratic: antithetic copies cancel at first order
+
+
+def test_a_denoiser_without_self_attention_grafts_on_as_the_old_one_without_it():
+    from dataclasses import replace
+
+    from neuraldoom.denoiser import graft
+
+    cfg = DenoiserConfig(**TINY_DENOISER)
+    plain = build_denoiser(cfg, 4, (16, 20)).eval()
+    for blk in plain.unet.modules():  # trained weights: the self-attention's output is not zero
+        if blk.__class__.__name__ == "Attention" and not blk.is_cross_attention:
+            torch.nn.init.normal_(blk.to_out[0].weight, std=0.2)
+    cross = build_denoiser(replace(cfg, only_cross_attention=True), 4, (16, 20)).eval()
+    cross.load_state_dict(graft(plain.state_dict(), cfg, cross))
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(2, 4, 16, 20, generator=g), torch.tensor([999, 249]),
+            torch.randn(2, 4, 4, 16, 20, generator=g), torch.randint(0, 7, (2, 5, 2), generator=g),
+            torch.tensor([0, 3]))
+    with torch.no_grad():
+        before = plain(*args)
+        for blk in plain.unet.modules():  # the old model with its self-attention taken out
+            if blk.__class__.__name__ == "Attention" and not blk.is_cross_attention:
+                blk.to_out[0].weight.zero_()
+                blk.to_out[0].bias.zero_()
+        torch.testing.assert_close(cross(*args), plain(*args))
+        assert not torch.allclose(cross(*args), before)
