@@ -229,9 +229,8 @@ class Checkpoint:
         k = frames_read(self.denoiser_cfg)
         want = input_channels(self.denoiser_cfg, self.ae.config.latent_channels)
         if unet.config.in_channels != want:
-            extra = " and the last estimate (self_cond)" if self.denoiser_cfg.self_cond else ""
             raise CheckpointError(f"{self.path}: unet/ expects {unet.config.in_channels} input channels, "
-                                  f"autoencoder/ and {k} context frames{extra} give {want}")
+                                  f"autoencoder/ and {k} context frames give {want}")
 
     def student(self, steps: int) -> Any:
         """The distilled denoiser of the `steps`-step sampler this checkpoint carries (loaded once)."""

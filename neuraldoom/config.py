@@ -95,9 +95,6 @@ class DenoiserConfig:
     # turned view further by the depth-dependent shift of walking, strafing and momentum
     flow_snap: float = 0.25  # the flow's offsets under this (latent cells) are zero: a still view stays exactly
     # still instead of being resampled by tiny offsets at every step (it dissolved into noise within 64 steps)
-    self_cond: bool = False  # self-conditioning (Chen et al. 2022): conv_in also reads the sampler's clean estimate
-    # of the target from the step before (zeros at the first step and on half of the training samples), so each
-    # step refines the last one's picture instead of inferring it again from x_t, where noise dominates
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4

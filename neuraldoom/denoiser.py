@@ -54,8 +54,8 @@ def frames_read(cfg: DenoiserConfig) -> int:
 
 
 def input_channels(cfg: DenoiserConfig, latent_channels: int) -> int:
-    """conv_in's width: the noisy target, the context frames read and, with self_cond, the last estimate."""
-    return latent_channels * (frames_read(cfg) + 1 + int(cfg.self_cond))
+    """conv_in's width: the noisy target and the context frames read."""
+    return latent_channels * (frames_read(cfg) + 1)
 
 
 WARP_MODES = ("bicubic", "nearest")
@@ -153,7 +153,6 @@ class Denoiser(nn.Module):
         self.delta = cfg.target == "delta"
         self.delta_scale = float(cfg.delta_scale)
         self.action_embed = unet.config.time_cond_proj_dim is not None
-        self.self_cond = cfg.self_cond
         if cfg.warp_mode not in WARP_MODES:
             raise ValueError(f"warp_mode must be one of {', '.join(WARP_MODES)}, not {cfg.warp_mode!r}")
         self.warp_mode = cfg.warp_mode
@@ -218,15 +217,11 @@ class Denoiser(nn.Module):
         return self.action_encoder.config.length - 1
 
     def forward(self, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor, actions: torch.Tensor,
-                bucket: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
-        # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int;
-        # prev (B, C, h, w): the last step's clean estimate of the target (self_cond; None = zeros, none yet)
+                bucket: torch.Tensor) -> torch.Tensor:
+        # noisy (B, C, h, w); t (B,); context (B, N, C, h, w); actions (B, N+1, 2) int; bucket (B,) int
         if self.grids is not None:  # conv_in reads the newest frame as turned by the current action
             context = torch.cat([context[:, -self.reads:-1], self.reference(context, actions)[:, None]], 1)
-        parts = [noisy, context[:, -self.reads:].flatten(1, 2)]
-        if self.self_cond:  # last on the channels: a graft's new conv_in weights start at zero there
-            parts.append(torch.zeros_like(noisy) if prev is None else prev.to(noisy.dtype))
-        x = torch.cat(parts, 1)  # (B, C*(reads+1+self_cond), h, w)
+        x = torch.cat([noisy, context[:, -self.reads:].flatten(1, 2)], 1)  # (B, C*(reads+1), h, w)
         tokens = self.action_encoder(actions)  # (B, N+1, D)
         cond = None
         if self.action_embed:  # (B, buttons + turns): the current action
@@ -238,18 +233,12 @@ class Denoiser(nn.Module):
 
 
 def graft(state: dict[str, torch.Tensor], source: DenoiserConfig, model: Denoiser) -> dict[str, torch.Tensor]:
-    """A trained denoiser's state dict (of config `source`) made to fit `model`, which may add to it:
-    - self_cond: conv_in's weights on the estimate's channels are zero, so the grafted model computes what the old
-      one did until training moves them;
-    - only_cross_attention: each transformer block's first attention reads the action tokens instead of the
-      view's cells (its keys and values from the model's fresh init, its output projection zero): the grafted
-      model is the old one without self-attention, and training grows the new attention from nothing."""
+    """A trained denoiser's state dict (of config `source`) made to fit `model`, which may add to it. With
+    only_cross_attention, each transformer block's first attention reads the action tokens instead of the view's
+    cells (its keys and values from the model's fresh init, its output projection zero): the grafted model is the
+    old one without self-attention, and training grows the new attention from nothing."""
     state = dict(state)
     own = model.state_dict()
-    key = "unet.conv_in.weight"
-    if model.self_cond and not source.self_cond:
-        extra = own[key].shape[1] - state[key].shape[1]
-        state[key] = torch.cat([state[key], state[key].new_zeros(own[key].shape[0], extra, *own[key].shape[2:])], 1)
     if model.unet.config.only_cross_attention and not source.only_cross_attention:
         for k in own:
             if ".attn1." in k and any(p in k for p in ("to_k.", "to_v.")):  # self-attention's, now cross

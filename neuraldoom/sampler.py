@@ -41,8 +41,7 @@ from torch import nn
 from .config import SamplerConfig
 from .denoiser import Denoiser
 
-# one UNet pass: (x (1,C,h,w), t (1,) long, context (1,N,C,h,w), codes (1,N+1,2) long[, the last estimate
-# (1,C,h,w) for a self-conditioned denoiser]) -> v (1,C,h,w) float32
+# one UNet pass: (x (1,C,h,w), t (1,) long, context (1,N,C,h,w), codes (1,N+1,2) long) -> v (1,C,h,w) float32
 Pass = Callable[..., torch.Tensor]
 
 
@@ -61,10 +60,9 @@ class DenoiserPass(nn.Module):
         self.dtype = dtype
         self.denoiser = denoiser if dtype == torch.float32 else copy.deepcopy(denoiser).to(dtype).eval()
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, codes: torch.Tensor,
-                prev: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         bucket = torch.zeros_like(t)  # no noise on a clean context
-        v = self.denoiser(x.to(self.dtype), t, context.to(self.dtype), codes, bucket, prev)
+        v = self.denoiser(x.to(self.dtype), t, context.to(self.dtype), codes, bucket)
         return v.float()
 
 
@@ -156,25 +154,21 @@ class DDIMSampler(nn.Module):
         empty = torch.zeros_like(context) if self.guided else None  # the dropped context, same actions
         if empty is not None and batched:
             pair, codes2 = torch.cat([context, empty]), torch.cat([codes, codes])
-        # self-conditioning: each pass also reads the last step's clean estimate (zeros before the first), always
-        # as a tensor so that a compiled pass sees one signature
-        est = [torch.zeros_like(x)] if self.denoiser.self_cond else []
         for t, at, ap in self.plan:
             tt = torch.full((len(x),), t, dtype=torch.long, device=x.device)
             if empty is not None and batched:
-                v2 = denoise(torch.cat([x, x]), tt.repeat(2), pair, codes2, *[torch.cat([e, e]) for e in est])
+                v2 = denoise(torch.cat([x, x]), tt.repeat(2), pair, codes2)
                 v = v2[1:] + self.cfg * (v2[:1] - v2[1:])
             elif empty is not None:
-                other = pool.submit(denoise, x, tt, empty, codes, *est) if pool is not None else None
-                vc = denoise(x, tt, context, codes, *est)
-                vu = other.result() if other is not None else denoise(x, tt, empty, codes, *est)
+                other = pool.submit(denoise, x, tt, empty, codes) if pool is not None else None
+                vc = denoise(x, tt, context, codes)
+                vu = other.result() if other is not None else denoise(x, tt, empty, codes)
                 v = vu + self.cfg * (vc - vu)
             else:
-                v = denoise(x, tt, context, codes, *est)
+                v = denoise(x, tt, context, codes)
             x0 = at**0.5 * x - (1 - at) ** 0.5 * v
             eps = at**0.5 * v + (1 - at) ** 0.5 * x
             x = ap**0.5 * x0 + (1 - ap) ** 0.5 * eps
-            est = [x0] if est else []
         if self.deadband:
             x0 = drop_small_changes(x0, self.deadband)
         z = self.denoiser.from_target(x0, last)
@@ -232,9 +226,8 @@ def example_inputs(denoiser: Denoiser, latent_shape: tuple[int, ...], batch: int
     """What a DenoiserPass takes (the shapes and strides the package is built for)."""
     n, b = denoiser.context, batch
     g = torch.Generator().manual_seed(0)
-    inputs = (torch.randn(b, *latent_shape, generator=g), torch.full((b,), 500),
-              torch.randn(b, n, *latent_shape, generator=g), torch.randint(0, 7, (b, n + 1, 2), generator=g))
-    return inputs + ((torch.randn(b, *latent_shape, generator=g),) if denoiser.self_cond else ())
+    return (torch.randn(b, *latent_shape, generator=g), torch.full((b,), 500),
+            torch.randn(b, n, *latent_shape, generator=g), torch.randint(0, 7, (b, n + 1, 2), generator=g))
 
 
 def signature(path: Path) -> str:

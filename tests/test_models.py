@@ -477,50 +477,6 @@ def test_the_action_path_grafts_onto_a_trained_denoiser_without_changing_it():
         torch.testing.assert_close(grafted(*args), plain(*args))
 
 
-def test_self_conditioning_grafts_on_without_changing_the_model_and_reads_the_estimate():
-    from dataclasses import replace
-
-    from neuraldoom.denoiser import graft
-
-    cfg = DenoiserConfig(**TINY_DENOISER)
-    plain = build_denoiser(cfg, 4, (16, 20)).eval()
-    grafted = build_denoiser(replace(cfg, self_cond=True), 4, (16, 20)).eval()
-    assert grafted.unet.conv_in.in_channels == plain.unet.conv_in.in_channels + 4
-    grafted.load_state_dict(graft(plain.state_dict(), cfg, grafted))
-    g = torch.Generator().manual_seed(1)
-    args = (torch.randn(2, 4, 16, 20, generator=g), torch.tensor([999, 249]),
-            torch.randn(2, 4, 4, 16, 20, generator=g), torch.randint(0, 7, (2, 5, 2), generator=g),
-            torch.tensor([0, 3]))
-    est = torch.randn(2, 4, 16, 20, generator=g)
-    with torch.no_grad():
-        torch.testing.assert_close(grafted(*args), plain(*args))  # no estimate: zeros
-        torch.testing.assert_close(grafted(*args, est), plain(*args))  # zero weights on it: the same function
-        torch.nn.init.normal_(grafted.unet.conv_in.weight)
-        assert not torch.allclose(grafted(*args, est), grafted(*args))
-
-
-def test_the_sampler_feeds_each_step_the_last_steps_clean_estimate():
-    from dataclasses import replace
-
-    m = build_denoiser(replace(DenoiserConfig(**TINY_DENOISER), self_cond=True), 4, (16, 20)).eval()
-    seen: list[torch.Tensor] = []
-
-    def denoise(x, t, ctx, codes, est):
-        seen.append(est.clone())
-        return torch.full_like(x, 0.5)
-
-    sampler = DDIMSampler(m, steps=4, cfg=1.0)
-    g = torch.Generator().manual_seed(2)
-    noise, ctx = torch.randn(1, 4, 16, 20, generator=g), torch.randn(1, 4, 4, 16, 20, generator=g)
-    sampler.sample(noise, ctx, torch.zeros(1, 5, 2, dtype=torch.long), denoise)
-    assert len(seen) == 4 and not seen[0].any()  # no estimate before the first step
-    x = noise
-    for k, (_, at, ap) in enumerate(sampler.plan[:-1]):  # each later step reads the x0 the one before made
-        x0 = at**0.5 * x - (1 - at) ** 0.5 * 0.5
-        torch.testing.assert_close(seen[k + 1], x0)
-        x = ap**0.5 * x0 + (1 - ap) ** 0.5 * (at**0.5 * 0.5 + (1 - at) ** 0.5 * x)
-
-
 def _warp_model(plain: bool = False, mode: str = "bicubic", fill: str = "border"):
     from dataclasses import replace
 

@@ -16,7 +16,7 @@ import torch
 
 from neuraldoom.checkpoint import Checkpoint
 from neuraldoom.engine import NeuralEngine
-from training import compare, distill, evaluate, export, train_autoencoder, train_diffusion
+from training import compare, evaluate, export, train_autoencoder, train_diffusion
 
 TINY_AE = ["--latent-channels", "4", "--encoder-channels", "8", "--decoder-channels", "8"]
 TINY_DM = ["--context", "4", "--block-out-channels", "8", "16", "--attention-heads", "2",
@@ -395,21 +395,6 @@ def test_continued_training_can_take_on_the_action_path(tiny_checkpoint, tiny_da
     ck = Checkpoint(out / "checkpoint")
     assert ck.denoiser_cfg.action_embed and ck.denoiser.action_embed
     assert ck.denoiser.unet.time_embedding.cond_proj.weight.any()  # trained away from its zero start
-
-
-def test_continued_training_can_take_on_self_conditioning(tiny_checkpoint, tiny_dataset, tmp_path):
-    from neuraldoom import actions as A
-
-    out = tmp_path / "scond"
-    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
-                                 "--steps", "2", "--batch", "4", "--max-frames", "300", "--eval-every", "2",
-                                 "--no-compile", "--self-cond"]) == 0
-    ck = Checkpoint(out / "checkpoint")
-    assert ck.denoiser_cfg.self_cond and ck.denoiser.self_cond
-    assert ck.denoiser.unet.conv_in.weight[:, -ck.ae.config.latent_channels:].any()  # trained away from zero
-    assert NeuralEngine(ck, compile=False).step(A.NOOP).shape == (120, 160, 3)  # it plays
-    assert distill.main(["--checkpoint", str(out / "checkpoint"), "--data", str(tiny_dataset), "--out",
-                         str(tmp_path / "s"), "--steps", "1"]) == 2  # refused in one line, not distilled wrong
 
 
 def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_dataset, tmp_path):

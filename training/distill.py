@@ -200,9 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         if t_steps != own and t_steps not in ck.students:
             raise CheckpointError(f"{a.checkpoint} has no {t_steps}-step sampler to learn from: distil that "
                                   f"one first (it plays {own} steps; students: {sorted(ck.students) or 'none'})")
-        if ck.denoiser_cfg.self_cond:  # the teacher's passes read their last estimate, which the students'
-            # training does not carry from step to step: distilled this way they would learn another sampler
-            raise CheckpointError(f"{a.checkpoint}: a self-conditioned denoiser (self_cond) cannot be distilled yet")
         teacher = Teacher(ck, t_steps)
         base = ck.students[t_steps]["base"] if teacher.student else weights_digest(ck.denoiser)
         cache = Path(a.latents) if a.latents else out / "latents"

@@ -120,8 +120,6 @@ class Args:
     reads: int = DenoiserConfig.reads
     target: str = DenoiserConfig.target
     action_embed: bool = DenoiserConfig.action_embed
-    self_cond: bool = DenoiserConfig.self_cond  # conv_in also reads the last sampler step's clean estimate (half of
-    # the samples train on their own one-pass estimate, half on zeros); with --init-from, grafted on at zero weight
     turn_warp: bool = False  # the last frame turned by the current action as the change's reference
     # (DenoiserConfig.turn_warp from the game's frame skip and status bar); with --init-from, switches it on
     # for a checkpoint without it (its weights unchanged). With the "border" fill its free play blew up to noise
@@ -146,8 +144,8 @@ class Args:
     # (training.widen.deepen): the latents' full-size level, where fine detail is drawn, gets twice the convolutions
 
 
-ARCHITECTURE = ("context", "reads", "target", "action_embed", "self_cond", "turn_warp", "warp_mode", "warp_fill",
-                "flow", "block_out_channels", "attention_heads", "only_cross_attention", "cross_attention_dim", "widen",
+ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill", "flow",
+                "block_out_channels", "attention_heads", "only_cross_attention", "cross_attention_dim", "widen",
                 "deepen")
 
 
@@ -295,9 +293,7 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
         t = levels[torch.randint(0, len(levels), (B,), generator=gen)]
     noisy = sched.add_noise(target, eps, t)
     v = sched.get_velocity(target, eps, t)  # eq. 1: v-prediction
-    noisy, t, ctx, codes, bucket = (x.to(device) for x in (noisy, t, ctx, codes, bucket))
-    prev = self_estimate(model, sched, noisy, t, ctx, codes, bucket, gen) if raw.self_cond else None
-    pred = model(noisy, t, ctx, codes, bucket, prev)
+    pred = model(noisy.to(device), t.to(device), ctx.to(device), codes.to(device), bucket.to(device))
     err = (pred.float() - v.to(device)).pow(2)
     if t_weight is not None:
         err = err * t_weight[t].to(device).view(B, 1, 1, 1)
@@ -306,21 +302,6 @@ def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: Den
     w = weight.to(device)
     w = w[:, None] if w.dim() == 3 else w
     return (err * (w / w.mean())).mean()
-
-
-def self_estimate(model: Any, sched: DDPMScheduler, noisy: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor,
-                  codes: torch.Tensor, bucket: torch.Tensor, gen: torch.Generator, share: float = 0.5) -> torch.Tensor:
-    """Self-conditioning's input for one batch (Chen et al. 2022): for a `share` of the samples, the model's own
-    clean estimate of the target from a first pass without one (no gradient), for the rest zeros: the sampler's
-    first step has no estimate yet, its later ones have the step before's."""
-    prev = torch.zeros_like(noisy)
-    pick = (torch.rand(len(noisy), generator=gen) < share).to(noisy.device)
-    if pick.any():
-        with torch.no_grad():
-            v = model(noisy[pick], t[pick], ctx[pick], codes[pick], bucket[pick]).float()
-        a = sched.alphas_cumprod.to(noisy.device)[t[pick]].view(-1, 1, 1, 1)
-        prev[pick] = (a.sqrt() * noisy[pick] - (1 - a).sqrt() * v).to(prev.dtype)
-    return prev
 
 
 def with_own_frames(denoise: Pass, sampler: DDIMSampler, data: L.LatentSet, idx: torch.Tensor, batch: tuple,
@@ -419,12 +400,11 @@ def main(argv: list[str] | None = None) -> int:
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
         if init:  # a continued checkpoint keeps its architecture; --action-embed may graft the action path on
             dcfg = replace(init.denoiser_cfg, action_embed=init.denoiser_cfg.action_embed or a.action_embed,
-                           self_cond=init.denoiser_cfg.self_cond or a.self_cond,
                            only_cross_attention=init.denoiser_cfg.only_cross_attention or a.only_cross_attention)
         else:
             dcfg = replace(DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
                            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim,
-                           reads=a.reads, target=a.target, action_embed=a.action_embed, self_cond=a.self_cond,
+                           reads=a.reads, target=a.target, action_embed=a.action_embed,
                            only_cross_attention=a.only_cross_attention)
         if a.own_unroll > frames_read(dcfg):
             raise CheckpointError(f"--own-unroll {a.own_unroll} is more than the {frames_read(dcfg)} frames the "
@@ -463,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"train_diffusion: {e}", file=sys.stderr)
         return 2
-    if init is not None:  # strict but for what may be grafted on: the action's zero map (--action-embed), the zero
-        # weights on the last estimate (--self-cond) and a flow net (--flow)
+    if init is not None:  # strict but for what may be grafted on: the action's zero map (--action-embed), the
+        # attention that replaces self-attention (--only-cross-attention) and a flow net (--flow)
         missing, unexpected = model.load_state_dict(graft(init.denoiser.state_dict(), init.denoiser_cfg, model),
                                                     strict=False)
         missing = {k for k in missing if not k.startswith("flow.")}
@@ -543,8 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
                  "timesteps": a.timesteps, "snr_gamma": a.snr_gamma, "flow": a.flow, "wall_share": a.wall_share,
-                 "offset_noise": a.offset_noise, "self_cond": dcfg.self_cond,
-                 "only_cross_attention": dcfg.only_cross_attention}
+                 "offset_noise": a.offset_noise, "only_cross_attention": dcfg.only_cross_attention}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
