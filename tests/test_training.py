@@ -397,6 +397,18 @@ def test_continued_training_can_take_on_the_action_path(tiny_checkpoint, tiny_da
     assert ck.denoiser.unet.time_embedding.cond_proj.weight.any()  # trained away from its zero start
 
 
+def test_continued_training_can_drop_self_attention(tiny_checkpoint, tiny_dataset, tmp_path):
+    from neuraldoom.actions import NOOP
+
+    out = tmp_path / "xattn"
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
+                                 "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
+                                 "--no-compile", "--only-cross-attention"]) == 0
+    ck = Checkpoint(out / "checkpoint")
+    assert ck.denoiser_cfg.only_cross_attention and ck.denoiser.unet.config.only_cross_attention
+    assert NeuralEngine(ck, compile=False).step(NOOP).shape == (120, 160, 3)  # it plays
+
+
 def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_dataset, tmp_path):
     from neuraldoom import actions as A
 
