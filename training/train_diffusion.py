@@ -134,7 +134,7 @@ class Args:
     only_cross_attention: bool = DenoiserConfig.only_cross_attention  # no self-attention: each transformer block's
     # first attention reads the action tokens too; with --init-from, grafted on (denoiser.graft: the model without
     # self-attention, the new attention starting at zero). Measured: compiled play x1.10, held-out play tied, and
-    # 1,000-step free play drifted red after 45,728 samples (docs/EXPERIMENTS.md)
+    # 1,000-step free play drifted red after 45,728 and 73,920 samples (docs/EXPERIMENTS.md)
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
     widen: int = 1  # with --init-from: every UNet width times this, the function unchanged (training.widen), so a
     # trained model goes on with more capacity instead of a wider one starting from scratch
