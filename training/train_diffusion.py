@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
                  "timesteps": a.timesteps, "snr_gamma": a.snr_gamma, "flow": a.flow, "wall_share": a.wall_share,
-                 "offset_noise": a.offset_noise, "only_cross_attention": dcfg.only_cross_attention}
+                 "offset_noise": a.offset_noise}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
