@@ -99,6 +99,8 @@ class DenoiserConfig:
     layers_per_block: int = 1
     attention_heads: int = 4
     only_cross_attention: bool = False  # drop self-attention: the actions arrive by cross-attention
+    cross_only_levels: tuple[int, ...] = ()  # drop it only on these UNet levels (0: the full-size one), down and up
+    # blocks alike; the mid block keeps it, so the whole view is still seen at the coarsest grid
     cross_attention_dim: int = 256  # width of the action tokens
     noise_buckets: int = 10  # GameNGen §3.2.1: discretized context-noise level
     max_noise_level: float = 0.7

@@ -114,6 +114,24 @@ def norm_groups(widths: tuple[int, ...]) -> int:
     return math.gcd(32, *widths)
 
 
+def cross_only(cfg: DenoiserConfig) -> tuple[bool, ...]:
+    """Per UNet level (0: the full-size one), whether its transformer blocks drop self-attention. The mid block
+    keeps its own either way (diffusers' UNetMidBlock2DCrossAttn has no such switch)."""
+    n = len(cfg.block_out_channels)
+    if any(not 1 <= i < n for i in cfg.cross_only_levels):  # level 0 has no attention
+        raise ValueError(f"cross_only_levels must be within 1..{n - 1} (the levels with attention), "
+                         f"not {list(cfg.cross_only_levels)}")
+    return tuple(cfg.only_cross_attention or i in cfg.cross_only_levels for i in range(n))
+
+
+def _block_level(name: str, levels: int) -> int | None:
+    """The UNet level of a module named `unet.down_blocks.I...` or `unet.up_blocks.J...`; None for the mid block."""
+    parts = name.split(".")
+    if parts[1] == "down_blocks":
+        return int(parts[2])
+    return levels - 1 - int(parts[2]) if parts[1] == "up_blocks" else None
+
+
 def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, int]) -> UNet2DConditionModel:
     n = len(cfg.block_out_channels)
     # the current action joins the timestep through diffusers' `timestep_cond` (a linear map added to the
@@ -132,7 +150,8 @@ def build_unet(cfg: DenoiserConfig, latent_channels: int, latent_hw: tuple[int, 
         cross_attention_dim=cfg.cross_attention_dim,
         num_class_embeds=cfg.noise_buckets,
         **action,
-        only_cross_attention=cfg.only_cross_attention,
+        # a bool when it is one for every block: the shipped checkpoints' saved UNet config stays as it was
+        only_cross_attention=cross_only(cfg) if cfg.cross_only_levels else cfg.only_cross_attention,
         norm_num_groups=norm_groups(cfg.block_out_channels),
     )
     if cfg.action_embed:  # zero: the model starts as it would without it, so a trained one can take it on
@@ -233,17 +252,24 @@ class Denoiser(nn.Module):
 
 
 def graft(state: dict[str, torch.Tensor], source: DenoiserConfig, model: Denoiser) -> dict[str, torch.Tensor]:
-    """A trained denoiser's state dict (of config `source`) made to fit `model`, which may add to it. With
-    only_cross_attention, each transformer block's first attention reads the action tokens instead of the view's
-    cells (its keys and values from the model's fresh init, its output projection zero): the grafted model is the
-    old one without self-attention, and training grows the new attention from nothing."""
+    """A trained denoiser's state dict (of config `source`) made to fit `model`, which may add to it. Where the model
+    drops self-attention and the source did not (only_cross_attention, cross_only_levels), that transformer block's
+    first attention reads the action tokens instead of the view's cells (its keys and values from the model's fresh
+    init, its output projection zero): the grafted model is the old one without that self-attention, and training
+    grows the new attention from nothing."""
     state = dict(state)
     own = model.state_dict()
-    if model.unet.config.only_cross_attention and not source.only_cross_attention:
+    levels = cross_only(source)
+    for name, blk in model.named_modules():
+        if not hasattr(blk, "attn1") or not blk.only_cross_attention:
+            continue
+        level = _block_level(name, len(levels))
+        if level is None or levels[level]:
+            continue  # the source had no self-attention here either
         for k in own:
-            if ".attn1." in k and any(p in k for p in ("to_k.", "to_v.")):  # self-attention's, now cross
+            if k.startswith(f"{name}.attn1.to_k.") or k.startswith(f"{name}.attn1.to_v."):
                 state[k] = own[k]
-            elif ".attn1.to_out." in k:
+            elif k.startswith(f"{name}.attn1.to_out."):
                 state[k] = torch.zeros_like(own[k])
     return state
 

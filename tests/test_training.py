@@ -397,16 +397,26 @@ def test_continued_training_can_take_on_the_action_path(tiny_checkpoint, tiny_da
     assert ck.denoiser.unet.time_embedding.cond_proj.weight.any()  # trained away from its zero start
 
 
-def test_continued_training_can_drop_self_attention(tiny_checkpoint, tiny_dataset, tmp_path):
+@pytest.mark.parametrize("flag", [["--only-cross-attention"], ["--cross-only-levels", "1"]])
+def test_continued_training_can_drop_self_attention(tiny_checkpoint, tiny_dataset, tmp_path, flag):
     from neuraldoom.actions import NOOP
 
     out = tmp_path / "xattn"
     assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
                                  "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
-                                 "--no-compile", "--only-cross-attention"]) == 0
+                                 "--no-compile", *flag]) == 0
     ck = Checkpoint(out / "checkpoint")
-    assert ck.denoiser_cfg.only_cross_attention and ck.denoiser.unet.config.only_cross_attention
+    # the tiny UNet's two levels: level 1 is the only one with attention, so both flags drop it there
+    assert ck.denoiser.unet.config.only_cross_attention in (True, [False, True])
+    assert ck.denoiser_cfg.only_cross_attention or ck.denoiser_cfg.cross_only_levels == (1,)
     assert NeuralEngine(ck, compile=False).step(NOOP).shape == (120, 160, 3)  # it plays
+
+
+def test_a_level_without_attention_is_refused(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
+    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out",
+                                 str(tmp_path / "x"), "--steps", "1", "--no-compile", "--cross-only-levels", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cross_only_levels" in err[0]
 
 
 def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_dataset, tmp_path):

@@ -42,6 +42,7 @@ from neuraldoom.denoiser import (
     WARP_MODES,
     Denoiser,
     build_denoiser,
+    cross_only,
     frames_read,
     graft,
     warp_settings,
@@ -135,6 +136,8 @@ class Args:
     # first attention reads the action tokens too; with --init-from, grafted on (denoiser.graft: the model without
     # self-attention, the new attention starting at zero). Measured: compiled play x1.10, held-out play tied, and
     # 1,000-step free play drifted red after 45,728 and 73,920 samples (docs/EXPERIMENTS.md)
+    cross_only_levels: tuple[int, ...] = DenoiserConfig.cross_only_levels  # the same on these UNet levels only (0:
+    # the full-size one), the mid block keeping its self-attention
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
     widen: int = 1  # with --init-from: every UNet width times this, the function unchanged (training.widen), so a
     # trained model goes on with more capacity instead of a wider one starting from scratch
@@ -146,8 +149,8 @@ class Args:
 
 
 ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill", "flow",
-                "block_out_channels", "attention_heads", "only_cross_attention", "cross_attention_dim", "widen",
-                "deepen")
+                "block_out_channels", "attention_heads", "only_cross_attention", "cross_only_levels",
+                "cross_attention_dim", "widen", "deepen")
 
 
 # The per-sample gradient's energy E|g|^2 of the shipped denoiser in four bands of t (0-249 ... 750-999), a
@@ -401,15 +404,21 @@ def main(argv: list[str] | None = None) -> int:
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
         if init:  # a continued checkpoint keeps its architecture; --action-embed may graft the action path on
             dcfg = replace(init.denoiser_cfg, action_embed=init.denoiser_cfg.action_embed or a.action_embed,
-                           only_cross_attention=init.denoiser_cfg.only_cross_attention or a.only_cross_attention)
+                           only_cross_attention=init.denoiser_cfg.only_cross_attention or a.only_cross_attention,
+                           cross_only_levels=tuple(sorted({*init.denoiser_cfg.cross_only_levels,
+                                                           *a.cross_only_levels})))
         else:
             dcfg = replace(DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
                            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim,
                            reads=a.reads, target=a.target, action_embed=a.action_embed,
-                           only_cross_attention=a.only_cross_attention)
+                           only_cross_attention=a.only_cross_attention, cross_only_levels=a.cross_only_levels)
         if a.own_unroll > frames_read(dcfg):
             raise CheckpointError(f"--own-unroll {a.own_unroll} is more than the {frames_read(dcfg)} frames the "
                                   "model reads")
+        try:
+            cross_only(dcfg)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         if (a.widen != 1 or a.deepen) and init is None:
             raise CheckpointError("--widen and --deepen grow a trained denoiser: give --init-from CHECKPOINT")
         if a.widen != 1:
