@@ -378,20 +378,23 @@ def test_export_sets_the_steps_the_teacher_skips_and_play_runs_the_rest(tiny_run
     assert len(err) == 1 and "--skip" in err[0] and not (tmp_path / "bad").exists()
 
 
+def continued(data, init, out, *extra: str) -> list[str]:
+    """train_diffusion's arguments for two tiny steps continuing `init` into `out`, then `extra`."""
+    return ["--data", str(data), "--init-from", str(init), "--out", str(out), "--steps", "2", "--batch", "2",
+            "--max-frames", "300", "--eval-every", "2", "--no-compile", *extra]
+
+
 def test_continued_training_keeps_the_checkpoints_guidance(tiny_checkpoint, tiny_dataset, tmp_path):
     g2 = tmp_path / "g2"
     assert export.main(["--checkpoint", str(tiny_checkpoint), "--guidance", "2.0", "--out", str(g2)]) == 0
     out = tmp_path / "more"
-    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(g2), "--out", str(out), "--steps",
-                                 "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2", "--no-compile"]) == 0
+    assert train_diffusion.main(continued(tiny_dataset, g2, out)) == 0
     assert Checkpoint(out / "checkpoint").sampler_cfg.cfg == 2.0
 
 
 def test_continued_training_can_take_on_the_action_path(tiny_checkpoint, tiny_dataset, tmp_path):
     out = tmp_path / "aemb"
-    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
-                                 "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
-                                 "--no-compile", "--action-embed"]) == 0
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, out, "--action-embed")) == 0
     ck = Checkpoint(out / "checkpoint")
     assert ck.denoiser_cfg.action_embed and ck.denoiser.action_embed
     assert ck.denoiser.unet.time_embedding.cond_proj.weight.any()  # trained away from its zero start
@@ -402,9 +405,7 @@ def test_continued_training_can_drop_self_attention(tiny_checkpoint, tiny_datase
     from neuraldoom.actions import NOOP
 
     out = tmp_path / "xattn"
-    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
-                                 "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
-                                 "--no-compile", *flag]) == 0
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, out, *flag)) == 0
     ck = Checkpoint(out / "checkpoint")
     # the tiny UNet's two levels: level 1 is the only one with attention, so both flags drop it there
     assert ck.denoiser.unet.config.only_cross_attention in (True, [False, True])
@@ -423,9 +424,7 @@ def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_data
     from neuraldoom import actions as A
 
     out = tmp_path / "warp"
-    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out),
-                                 "--steps", "2", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
-                                 "--no-compile", "--turn-warp"]) == 0
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, out, "--turn-warp")) == 0
     ck, before = Checkpoint(out / "checkpoint"), Checkpoint(tiny_checkpoint)
     assert ck.denoiser_cfg.turn_warp == tuple(d * ck.game.frame_skip for d in A.TURN_BUCKETS)
     assert 0 < ck.denoiser_cfg.warp_rows <= ck.denoiser.unet.config.sample_size[0]
@@ -433,10 +432,8 @@ def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_data
     assert ck.denoiser.grids is not None and before.denoiser.grids is None
     assert ck.denoiser_cfg.warp_mode == "bicubic"
     # and a warped one continues with the other resampling, which its checkpoint keeps
-    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(out / "checkpoint"),
-                                 "--out", str(tmp_path / "nearest"), "--steps", "2", "--batch", "2", "--max-frames",
-                                 "300", "--eval-every", "2", "--no-compile", "--turn-warp", "--warp-mode", "nearest",
-                                 "--warp-fill", "last"]) == 0
+    assert train_diffusion.main(continued(tiny_dataset, out / "checkpoint", tmp_path / "nearest", "--turn-warp",
+                                          "--warp-mode", "nearest", "--warp-fill", "last")) == 0
     ck = Checkpoint(tmp_path / "nearest" / "checkpoint")
     assert ck.denoiser_cfg.warp_mode == "nearest" and ck.denoiser.warp_mode == "nearest"
     assert ck.denoiser_cfg.warp_fill == "last" and ck.denoiser.unseen is not None
@@ -1026,8 +1023,7 @@ def test_continued_training_can_widen_the_denoiser(tiny_checkpoint, tiny_dataset
     save_checkpoint(narrow, ck.ae, build_denoiser(dcfg, 4, tuple(ck.denoiser.unet.config.sample_size)),
                     ck.game, dcfg, ck.sampler_cfg, ck.context_frames, ck.context_actions, {})
     out = tmp_path / "wide"
-    argv = ["--data", str(tiny_dataset), "--init-from", str(narrow), "--out", str(out), "--steps", "2", "--batch", "2",
-            "--max-frames", "300", "--eval-every", "2", "--no-compile", "--widen", "2"]
+    argv = continued(tiny_dataset, narrow, out, "--widen", "2")
     assert train_diffusion.main(argv) == 0
     wide = Checkpoint(out / "checkpoint")
     assert wide.denoiser_cfg.block_out_channels == (64, 128)
@@ -1045,8 +1041,7 @@ def test_continued_training_can_widen_the_denoiser(tiny_checkpoint, tiny_dataset
 
 def test_continued_training_can_deepen_the_denoiser(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
     out = tmp_path / "deep"
-    argv = ["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out), "--steps", "2",
-            "--batch", "2", "--max-frames", "300", "--eval-every", "2", "--no-compile", "--deepen"]
+    argv = continued(tiny_dataset, tiny_checkpoint, out, "--deepen")
     assert train_diffusion.main(argv) == 0
     layers = Checkpoint(tiny_checkpoint).denoiser_cfg.layers_per_block
     deep = Checkpoint(out / "checkpoint")
