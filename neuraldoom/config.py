@@ -98,9 +98,9 @@ class DenoiserConfig:
     block_out_channels: tuple[int, ...] = (32, 64, 128)
     layers_per_block: int = 1
     attention_heads: int = 4
-    only_cross_attention: bool = False  # drop self-attention: the actions arrive by cross-attention
+    only_cross_attention: bool = False  # drop self-attention (not the mid block's: diffusers has no switch for it)
     cross_only_levels: tuple[int, ...] = ()  # drop it only on these UNet levels (0: the full-size one), down and up
-    # blocks alike; the mid block keeps it, so the whole view is still seen at the coarsest grid
+    # blocks alike
     cross_attention_dim: int = 256  # width of the action tokens
     noise_buckets: int = 10  # GameNGen §3.2.1: discretized context-noise level
     max_noise_level: float = 0.7

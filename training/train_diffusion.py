@@ -133,11 +133,12 @@ class Args:
     block_out_channels: tuple[int, ...] = DenoiserConfig.block_out_channels
     attention_heads: int = DenoiserConfig.attention_heads
     only_cross_attention: bool = DenoiserConfig.only_cross_attention  # no self-attention: each transformer block's
-    # first attention reads the action tokens too; with --init-from, grafted on (denoiser.graft: the model without
-    # self-attention, the new attention starting at zero). Measured: compiled play x1.10, held-out play tied, and
-    # 1,000-step free play drifted red after 45,728 and 73,920 samples (docs/EXPERIMENTS.md)
+    # first attention reads the action tokens too (the mid block keeps its self-attention); with --init-from,
+    # grafted on (denoiser.graft: the model without that self-attention, the new attention starting at zero).
+    # Measured: compiled play x1.10, held-out play tied, 1,000-step free play gathered a noise grid from step ~750
+    # (docs/EXPERIMENTS.md)
     cross_only_levels: tuple[int, ...] = DenoiserConfig.cross_only_levels  # the same on these UNet levels only (0:
-    # the full-size one), the mid block keeping its self-attention
+    # the full-size one). Measured on the 16x20 level: held-out play tied, no speed gained, the same noise grid
     cross_attention_dim: int = DenoiserConfig.cross_attention_dim
     widen: int = 1  # with --init-from: every UNet width times this, the function unchanged (training.widen), so a
     # trained model goes on with more capacity instead of a wider one starting from scratch
