@@ -414,8 +414,8 @@ def test_continued_training_can_drop_self_attention(tiny_checkpoint, tiny_datase
 
 
 def test_a_level_without_attention_is_refused(tiny_checkpoint, tiny_dataset, tmp_path, capsys):
-    assert train_diffusion.main(["--data", str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out",
-                                 str(tmp_path / "x"), "--steps", "1", "--no-compile", "--cross-only-levels", "0"]) == 2
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, tmp_path / "x", "--cross-only-levels",
+                                          "0")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cross_only_levels" in err[0]
 
