@@ -116,6 +116,8 @@ def load_model_dir(cls: Any, path: str | Path) -> Any:
 # students/N/          optional: a distilled N-step sampler's denoiser (unet/ + action_encoder/, float16 on
 #                      disk), guidance folded in; config.json "students" says how each was made
 #                      (training/distill.py)
+# bar/                 optional: a status-bar denoiser (unet/ + action_encoder/, float16 on disk) whose rows play
+#                      pastes over every frame; config.json "bar" holds its denoiser config and how it was made
 CHECKPOINT_FORMAT = 1
 SECTIONS = ("game", "denoiser", "sampler")
 
@@ -142,10 +144,12 @@ def _save_denoiser(denoiser: Any, folder: Path, half: bool, flow: bool = True) -
 
 def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoiser_cfg: Any, sampler_cfg: Any,
                     context_frames: Any, context_actions: Any, notes: dict[str, Any] | None = None,
-                    students: dict[int, tuple[Any, dict[str, Any]]] | None = None, half: bool = False) -> None:
+                    students: dict[int, tuple[Any, dict[str, Any]]] | None = None, half: bool = False,
+                    bar: tuple[Any, Any, dict[str, Any]] | None = None) -> None:
     """Write a complete, playable checkpoint folder atomically (built aside, then swapped in).
     students: {steps: (denoiser, how it was made)} of distilled samplers to carry. half: the teacher's
-    weights in float16 on disk too (loaded back as float32, like the students')."""
+    weights in float16 on disk too (loaded back as float32, like the students'). bar: (denoiser, its
+    DenoiserConfig, how it was made) of a status-bar denoiser to carry (float16 on disk)."""
     from . import actions as A
     from .config import to_dict
 
@@ -157,6 +161,8 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
     _save_denoiser(denoiser, tmp, half)
     for n, (model, _) in (students or {}).items():  # float16 on disk: half the bytes (loaded back as float32)
         _save_denoiser(model, tmp / "students" / str(n), True, flow=False)  # they move by the teacher's flow/
+    if bar is not None:
+        _save_denoiser(bar[0], tmp / "bar", True, flow=False)
     save_file({"frames": torch.tensor(np.asarray(context_frames)),
                "actions": torch.as_tensor(context_actions, dtype=torch.int64).contiguous()},
               str(tmp / "context.safetensors"))
@@ -170,6 +176,8 @@ def save_checkpoint(path: str | Path, ae: Any, denoiser: Any, game: Any, denoise
         "notes": notes or {},
         "students": {str(n): info for n, (_, info) in sorted((students or {}).items())},
     }
+    if bar is not None:
+        cfg["bar"] = {"denoiser": to_dict(bar[1]), "notes": bar[2]}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     _swap_in(tmp, path)
 
@@ -181,8 +189,9 @@ class Checkpoint:
         from diffusers import AutoencoderTiny, UNet2DConditionModel
 
         from . import actions as A
+        from . import autoencoder as AE
         from .config import DenoiserConfig, GameConfig, SamplerConfig, from_dict
-        from .denoiser import ActionEncoder, Denoiser, frames_read, input_channels
+        from .denoiser import ActionEncoder, Denoiser, bar_rows, frames_read, input_channels
         from .flow import FlowNet
 
         self.path = Path(path)
@@ -231,6 +240,28 @@ class Checkpoint:
         if unet.config.in_channels != want:
             raise CheckpointError(f"{self.path}: unet/ expects {unet.config.in_channels} input channels, "
                                   f"autoencoder/ and {k} context frames give {want}")
+        self.bar: Denoiser | None = None  # a status-bar denoiser whose rows play pastes over every frame
+        self.bar_cfg: DenoiserConfig | None = None
+        if isinstance(cfg.get("bar"), dict):
+            bcfg = from_dict(DenoiserConfig, cfg["bar"].get("denoiser", {}))
+            bar_unet = load_model_dir(UNet2DConditionModel, self.path / "bar" / "unet")
+            try:
+                if bar_rows(bcfg, AE.latent_hw(self.ae, H, W)[0]) is None:
+                    raise ValueError("its config has no rows")
+                if bcfg.context != n or input_channels(bcfg, self.ae.config.latent_channels) != (
+                        bar_unet.config.in_channels):
+                    raise ValueError("it does not read this checkpoint's context")
+                self.bar = Denoiser(bar_unet, load_model_dir(ActionEncoder, self.path / "bar" / "action_encoder"),
+                                    bcfg).eval()
+            except ValueError as e:
+                raise CheckpointError(f"{self.path}: the status-bar denoiser in bar/: {e}") from None
+            self.bar_cfg = bcfg
+
+    def bar_parts(self) -> tuple[Any, Any, dict[str, Any]] | None:
+        """The status-bar denoiser as save_checkpoint takes it (to carry it over); None where there is none."""
+        if self.bar is None:
+            return None
+        return self.bar, self.bar_cfg, dict(self.config["bar"].get("notes", {}))
 
     def student(self, steps: int) -> Any:
         """The distilled denoiser of the `steps`-step sampler this checkpoint carries (loaded once)."""

@@ -105,6 +105,9 @@ class DenoiserConfig:
     noise_buckets: int = 10  # GameNGen §3.2.1: discretized context-noise level
     max_noise_level: float = 0.7
     num_train_timesteps: int = 1000
+    rows: tuple[int, ...] = ()  # (top, first, bottom): a status-bar denoiser, trained on the latent rows [top, bottom)
+    # alone, whose rows [first, bottom) play pastes over the main denoiser's frame (the ammo count is ~18 of the
+    # frame's 1,280 cells: a model of the bar's rows alone learns it without costing the view); () = the whole frame
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,23 @@ def input_channels(cfg: DenoiserConfig, latent_channels: int) -> int:
     return latent_channels * (frames_read(cfg) + 1)
 
 
+def bar_rows(cfg: DenoiserConfig, latent_h: int) -> tuple[int, int, int] | None:
+    """A status-bar denoiser's latent rows (top, first, bottom) (DenoiserConfig.rows), checked against a latent
+    `latent_h` rows high; None for a whole-frame denoiser. ValueError (one line) for rows that are not one."""
+    if not cfg.rows:
+        return None
+    levels = 2 ** (len(cfg.block_out_channels) - 1)  # each UNet level halves the rows
+    if len(cfg.rows) != 3 or not 0 <= cfg.rows[0] <= cfg.rows[1] < cfg.rows[2] <= latent_h:
+        raise ValueError(f"rows must be TOP FIRST BOTTOM with 0 <= TOP <= FIRST < BOTTOM <= {latent_h} (the "
+                         f"latent's rows), not {' '.join(map(str, cfg.rows))}")
+    if (cfg.rows[2] - cfg.rows[0]) % levels:
+        raise ValueError(f"rows: BOTTOM - TOP must be a multiple of {levels} (the UNet's levels halve it), not "
+                         f"{cfg.rows[2] - cfg.rows[0]}")
+    if cfg.turn_warp or cfg.flow:
+        raise ValueError("rows: a status-bar denoiser neither turns nor moves the view (no turn warp, no flow)")
+    return cfg.rows[0], cfg.rows[1], cfg.rows[2]
+
+
 WARP_MODES = ("bicubic", "nearest")
 WARP_FILLS = ("border", "last")
 
@@ -169,6 +186,7 @@ class Denoiser(nn.Module):
         self.action_encoder = action_encoder
         cfg = cfg or DenoiserConfig(context=action_encoder.config.length - 1)
         self.reads = frames_read(cfg)
+        self.rows = tuple(cfg.rows)  # () whole frames; (top, first, bottom): a status-bar denoiser (bar_rows)
         self.delta = cfg.target == "delta"
         self.delta_scale = float(cfg.delta_scale)
         self.action_embed = unet.config.time_cond_proj_dim is not None

@@ -27,7 +27,7 @@ import torch
 
 from . import autoencoder as AE
 from .actions import NOOP, Action, ActionError
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointError
 from .sampler import (
     DDIMSampler,
     FrameBounds,
@@ -106,6 +106,10 @@ class NeuralEngine:
         that many steps (guidance folded in), it plays, one pass a step; `teacher`, or an explicit
         `guidance`, plays the teacher with classifier-free guidance instead. deadband: the sampler's (default
         the checkpoint's; SamplerConfig.deadband)."""
+        if ckpt.denoiser_cfg.rows:
+            raise CheckpointError(f"{ckpt.path} holds a status-bar denoiser alone (rows "
+                                  f"{' '.join(map(str, ckpt.denoiser_cfg.rows))}): `python -m training.export "
+                                  "--bar` puts it into a checkpoint that plays")
         self.ckpt = ckpt
         self.cfg = ckpt.game
         self.n = ckpt.denoiser_cfg.context
@@ -126,6 +130,11 @@ class NeuralEngine:
         self.dtype = resolve_dtype(dtype)
         self.eager = denoiser_pass(denoiser, self.dtype)
         self.denoise = self.eager  # the pass: eager, or the compiled package once it is there
+        # the checkpoint's status-bar denoiser, if any: the teacher's plan, unguided, eager (a quarter of the frame's
+        # cells); it reads the ring alone, so on two cores it runs on the second while this one samples the frame
+        self.bar = None if ckpt.bar is None else DDIMSampler(
+            ckpt.bar, ckpt.sampler_cfg.steps, 1.0, ckpt.sampler_cfg.deadband, None, ckpt.sampler_cfg.skip).eval()
+        self.bar_pass = None if ckpt.bar is None else denoiser_pass(ckpt.bar, self.dtype)
         self.start_z = AE.encode(self.ae, ckpt.context_frames)  # (N, C, h, w), encoded once
         self.start_actions = torch.as_tensor(ckpt.context_actions, dtype=torch.long)
         self.latent_shape = tuple(self.start_z.shape[1:])
@@ -250,11 +259,23 @@ class NeuralEngine:
         codes = torch.cat([self.actions, a])[None]  # (1, N+1, 2)
         noise = torch.randn((1, *self.latent_shape), generator=self.gen)
         # contiguous: the compiled package assumes its inputs' strides; the encoder returns channels_last
+        on_two = self.bar is not None and self._pool is not None
+        bar = self._pool.submit(self._bar_rows, noise, codes) if on_two else None
         z = self.run(noise, self.z[None].contiguous(), codes).contiguous()  # (1, C, h, w)
+        if self.bar is not None:  # the status bar's rows drawn by its own denoiser
+            _, first, bottom = self.ckpt.bar_cfg.rows
+            z[:, :, first:bottom] = bar.result() if bar is not None else self._bar_rows(noise, codes)
         self.z = torch.cat([self.z[1:], z])
         self.actions = torch.cat([self.actions[1:], a])
         self.timing["sample_ms"] = (time.perf_counter() - t0) * 1000
         return z
+
+    def _bar_rows(self, noise: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """The status-bar denoiser's rows [first, bottom) of the next latent, from its rows of the ring."""
+        top, first, bottom = self.ckpt.bar_cfg.rows
+        rows = self.bar.sample(noise[:, :, top:bottom], self.z[None, :, :, top:bottom].contiguous(), codes,
+                               self.bar_pass)
+        return rows[:, :, first - top:]
 
     def _decode(self, z: torch.Tensor) -> np.ndarray:
         t0 = time.perf_counter()

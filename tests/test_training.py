@@ -420,6 +420,50 @@ def test_a_level_without_attention_is_refused(tiny_checkpoint, tiny_dataset, tmp
     assert len(err) == 1 and "cross_only_levels" in err[0]
 
 
+def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_checkpoint, tiny_dataset, tmp_path):
+    from neuraldoom.actions import NOOP
+    from neuraldoom.checkpoint import CheckpointError
+
+    bar = tmp_path / "bar"
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, bar, "--rows", "28", "29", "32",
+                                          "--event-share", "0.5", "--digit-weight", "10")) == 0
+    alone = Checkpoint(bar / "checkpoint")
+    assert alone.denoiser_cfg.rows == (28, 29, 32) and tuple(alone.denoiser.unet.config.sample_size) == (4, 40)
+    with pytest.raises(CheckpointError, match="export --bar"):  # its rows alone do not play
+        NeuralEngine(alone, compile=False)
+    out = tmp_path / "with-bar"
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--bar", str(bar / "checkpoint"), "--out", str(out)]) == 0
+    again = tmp_path / "again"  # a re-export carries it, as it carries the students
+    assert export.main(["--checkpoint", str(out), "--out", str(again)]) == 0
+    ck = Checkpoint(again)
+    assert ck.bar is not None and ck.bar_cfg.rows == (28, 29, 32)
+    for p, q in zip(ck.bar.parameters(), alone.denoiser.parameters(), strict=True):  # float16 on disk
+        assert torch.allclose(p, q, atol=2e-3, rtol=2e-3)
+    plain = NeuralEngine(Checkpoint(tiny_checkpoint), compile=False, seed=5)
+    with_bar = NeuralEngine(ck, compile=False, seed=5)
+    z0, z1 = plain.next_latent(NOOP), with_bar.next_latent(NOOP)
+    # the rows above FIRST are the main denoiser's, as without the bar (the same noise and, at the first step, the
+    # same ring); the bar's rows are its own
+    assert torch.equal(z0[:, :, :29], z1[:, :, :29]) and not torch.allclose(z0[:, :, 29:], z1[:, :, 29:])
+    assert with_bar.step(NOOP).shape == (120, 160, 3)
+    one = NeuralEngine(ck, compile=False, seed=5, cores=1)  # the bar after the frame on one core: the same numbers
+    assert torch.equal(one.next_latent(NOOP), z1)
+
+
+@pytest.mark.parametrize("rows", [["28", "29", "31"], ["29", "28", "32"], ["28"]])
+def test_status_bar_rows_that_are_not_a_region_are_refused(tiny_checkpoint, tiny_dataset, tmp_path, capsys, rows):
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, tmp_path / "x", "--rows", *rows)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rows" in err[0]
+
+
+def test_export_refuses_a_whole_frame_denoiser_as_the_bar(tiny_checkpoint, tmp_path, capsys):
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--bar", str(tiny_checkpoint), "--out",
+                        str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "whole frames" in err[0]
+
+
 def test_continued_training_can_take_on_the_turn_warp(tiny_checkpoint, tiny_dataset, tmp_path):
     from neuraldoom import actions as A
 

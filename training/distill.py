@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": a.batch, "lr": a.lr}
         students = {**ck.student_models(), a.steps: (shipped, info)}
         save_checkpoint(out / "checkpoint", ck.ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg,
-                        ck.context_frames, ck.context_actions, ck.config.get("notes", {}), students)
+                        ck.context_frames, ck.context_actions, ck.config.get("notes", {}), students,
+                        bar=ck.bar_parts())
 
     if acc.is_main_process:
         print(f"distill: {a.steps}-step student of the {teacher.name}, {len(train)} training targets, "

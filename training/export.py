@@ -6,11 +6,13 @@
         --out checkpoints/e1m1
     python -m training.export --checkpoint runs/wide/checkpoint --half --out runs/cand   # float16 on disk
     python -m training.export --checkpoint runs/dm/checkpoint --bounds-from runs/dm/latents/train --out runs/cand
+    python -m training.export --checkpoint checkpoints/e1m1 --bar runs/bar/checkpoint --out runs/cand  # + its bar
 
 The denoiser was trained on the latents of one encoder, so the new autoencoder must carry exactly that
 encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused. The
 checkpoint's distilled students come along; --students adds those of other checkpoints (training.distill's
-outputs), each of which must have been distilled from this very denoiser.
+outputs), each of which must have been distilled from this very denoiser. So does its status-bar denoiser;
+--bar puts in another (train_diffusion --rows), trained on the latents of the same encoder.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Args:
     bounds_from: str = ""  # a latent cache of the training frames (train_diffusion's OUT/latents/train): hold every
     # generated frame inside their statistics' range (sampler.FrameBounds; "" = keep the checkpoint's)
     bounds_quantile: float = 0.001  # the share of training frames left outside the range at each end
+    bar: str = ""  # a checkpoint whose denoiser is a status-bar one (train_diffusion --rows): carried, its rows pasted
+    # over every frame in play ("" = keep the checkpoint's, if any)
     half: bool = False  # the teacher's weights in float16 on disk (half the bytes: what keeps a wider denoiser
     # under MAX_MB). It rounds the teacher, so students are distilled from the rounded one: export --half first
 
@@ -83,6 +87,18 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--half rounds {a.checkpoint}'s denoiser, and its students {sorted(students)} "
                                   f"were distilled from the float32 weights: export --half first, distil from that")
         bounds = L.frame_bounds(*L.frame_stats(Path(a.bounds_from), ck.ae), a.bounds_quantile) if a.bounds_from else {}
+        bar = ck.bar_parts()
+        if a.bar:
+            other = Checkpoint(a.bar)
+            if not other.denoiser_cfg.rows:
+                raise CheckpointError(f"{a.bar}: its denoiser draws whole frames, not a status bar's rows "
+                                      "(train_diffusion --rows)")
+            same = all(torch.equal(x, y) for x, y in zip(ck.ae.encoder.state_dict().values(),
+                                                         other.ae.encoder.state_dict().values(), strict=True))
+            if not same or other.denoiser_cfg.context != ck.denoiser_cfg.context:
+                raise CheckpointError(f"{a.bar} was trained on another encoder's latents or context than "
+                                      f"{a.checkpoint}'s")
+            bar = (other.denoiser, other.denoiser_cfg, dict(other.config.get("notes", {}), checkpoint=a.bar))
         if a.skip >= ck.sampler_cfg.steps:
             raise CheckpointError(f"--skip {a.skip} leaves none of the teacher's {ck.sampler_cfg.steps} DDIM steps")
     except CheckpointError as e:
@@ -98,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         sampler_cfg = replace(sampler_cfg, skip=a.skip)
     sampler_cfg = replace(sampler_cfg, **bounds)
     save_checkpoint(a.out, ae, ck.denoiser, ck.game, ck.denoiser_cfg, sampler_cfg, ck.context_frames,
-                    ck.context_actions, notes, students, half=a.half)
+                    ck.context_actions, notes, students, half=a.half, bar=bar)
     mb = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file()) / 2**20
-    print(f"export: {a.out} ({mb:.1f} MB; students: {sorted(students) or 'none'})")
+    print(f"export: {a.out} ({mb:.1f} MB; students: {sorted(students) or 'none'}; status-bar denoiser: "
+          f"{'rows ' + ' '.join(map(str, bar[1].rows)) if bar else 'none'})")
     if mb > MAX_MB:
         print(f"export: warning: over the {MAX_MB} MB limit for a shipped checkpoint", file=sys.stderr)
     return 0

@@ -63,6 +63,10 @@ class LatentSet:
         t = self.targets[torch.linspace(0, len(self.targets) - 1, min(4096, len(self.targets))).long()]
         return float((self.z[t].float() - self.z[t - 1].float()).std())
 
+    def crop_rows(self, top: int, bottom: int) -> None:
+        """Keep the latent rows [top, bottom) alone: the data of a status-bar denoiser (DenoiserConfig.rows)."""
+        self.z = self.z[:, :, top:bottom].contiguous()
+
     def window(self, idx: torch.Tensor, n: int, frames: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For target rows idx (B,): target (B,C,h,w), context (B,F,C,h,w), action codes (B,N+1,2).
 

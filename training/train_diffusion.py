@@ -41,6 +41,7 @@ from neuraldoom.denoiser import (
     WARP_FILLS,
     WARP_MODES,
     Denoiser,
+    bar_rows,
     build_denoiser,
     cross_only,
     frames_read,
@@ -145,13 +146,16 @@ class Args:
     widen_spread: float = 0.0  # with --widen: the copies' incoming weights differ by this share of the weights'
     # std (antithetic: the function changes at second order); 0: they start alike and grow apart only as fast as
     # the weights move. Measured: neither learns faster per sample than the small model (docs/EXPERIMENTS.md)
+    rows: tuple[int, ...] = ()  # TOP FIRST BOTTOM: a status-bar denoiser (DenoiserConfig.rows) trained on the latent
+    # rows [TOP, BOTTOM) alone; training.export --bar pastes its rows [FIRST, BOTTOM) over a checkpoint's frames.
+    # With --init-from a whole-frame checkpoint, it starts from that denoiser's weights (convolutions fit any size)
     deepen: bool = False  # with --init-from: one more layer in every UNet block, the function unchanged
     # (training.widen.deepen): the latents' full-size level, where fine detail is drawn, gets twice the convolutions
 
 
 ARCHITECTURE = ("context", "reads", "target", "action_embed", "turn_warp", "warp_mode", "warp_fill", "flow",
                 "block_out_channels", "attention_heads", "only_cross_attention", "cross_only_levels",
-                "cross_attention_dim", "widen", "deepen")
+                "cross_attention_dim", "widen", "deepen", "rows")
 
 
 # The per-sample gradient's energy E|g|^2 of the shipped denoiser in four bands of t (0-249 ... 750-999), a
@@ -407,12 +411,16 @@ def main(argv: list[str] | None = None) -> int:
             dcfg = replace(init.denoiser_cfg, action_embed=init.denoiser_cfg.action_embed or a.action_embed,
                            only_cross_attention=init.denoiser_cfg.only_cross_attention or a.only_cross_attention,
                            cross_only_levels=tuple(sorted({*init.denoiser_cfg.cross_only_levels,
-                                                           *a.cross_only_levels})))
+                                                           *a.cross_only_levels})),
+                           rows=a.rows or init.denoiser_cfg.rows)
+            if a.rows and init.denoiser_cfg.rows and a.rows != init.denoiser_cfg.rows:
+                raise CheckpointError(f"{a.init_from} draws the rows {init.denoiser_cfg.rows}, not --rows {a.rows}")
         else:
             dcfg = replace(DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
                            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim,
                            reads=a.reads, target=a.target, action_embed=a.action_embed,
-                           only_cross_attention=a.only_cross_attention, cross_only_levels=a.cross_only_levels)
+                           only_cross_attention=a.only_cross_attention, cross_only_levels=a.cross_only_levels,
+                           rows=a.rows)
         if a.own_unroll > frames_read(dcfg):
             raise CheckpointError(f"--own-unroll {a.own_unroll} is more than the {frames_read(dcfg)} frames the "
                                   "model reads")
@@ -430,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         data = Path(a.data)
         game = Recording(find_recordings(data / "train")[0]).game
         ctx_frames, ctx_actions = starting_context(data, dcfg.context)
+        try:  # before the latents are encoded: rows that are not a status-bar region, or a bar that would turn
+            bar_rows(replace(dcfg, turn_warp=dcfg.turn_warp or (0.0,) * a.turn_warp, flow=dcfg.flow or bool(a.flow)),
+                     AE.latent_hw(ae, game.height, game.width)[0])
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         ae.to(acc.device)  # encode on the accelerator when there is one; the checkpoint keeps a CPU copy
         with acc.main_process_first():  # the main process encodes into the cache, the others then read it
             events = a.event_fields if a.event_share > 0 else ()
@@ -440,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, RecordingError) as e:
         print(f"train_diffusion: {e}", file=sys.stderr)
         return 2
-    hw = tuple(train.z.shape[-2:])
+    full_hw = tuple(train.z.shape[-2:])
     if a.turn_warp and not dcfg.turn_warp:
         dcfg = replace(dcfg, **warp_settings(game, AE.downsampling(ae)))
     if a.turn_warp:  # a warped checkpoint may be continued with the other resampling
@@ -448,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     if dcfg.target == "delta" and init is None:  # unit-variance target: the std of one step's change
         dcfg = replace(dcfg, delta_scale=round(float(train.step_change_std()), 4))
     dcfg = replace(dcfg, flow=flow is not None)
+    region = bar_rows(dcfg, full_hw[0])  # checked above
+    top, bottom = (region[0], region[2]) if region else (0, full_hw[0])
+    if region:  # a status-bar denoiser sees, and learns, its rows alone
+        train.crop_rows(top, bottom)
+        held.crop_rows(top, bottom)
+    hw = tuple(train.z.shape[-2:])
     grafted = copy.deepcopy(flow.state_dict()) if flow is not None else None
     try:
         model = build_denoiser(dcfg, ae.config.latent_channels, hw, flow)
@@ -499,13 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.snr_gamma:
         snr_w = min_snr_weights(sched, a.snr_gamma)
         t_weight = snr_w if t_weight is None else t_weight * snr_w
-    weight = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight,
+    weight = loss_weights(full_hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, a.digit_weight,
                           a.digit_fields)
     k_events = int(round(a.event_share * a.batch)) if a.event_share and len(train.event_targets) else 0
     if weight is not None and a.digit_scope == "events":  # the weighted cells only on the event samples
-        plain = loss_weights(hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, 1.0)
+        plain = loss_weights(full_hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, 1.0)
         plain = torch.ones_like(weight) if plain is None else plain
         weight = torch.stack([weight] * k_events + [plain] * (a.batch - k_events))
+    if weight is not None:
+        weight = weight[..., top:bottom, :]  # a status-bar denoiser's rows
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
 
     @torch.no_grad()
@@ -534,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
                  "timesteps": a.timesteps, "snr_gamma": a.snr_gamma, "flow": a.flow, "wall_share": a.wall_share,
-                 "offset_noise": a.offset_noise}
+                 "offset_noise": a.offset_noise, "rows": list(dcfg.rows)}
         save_checkpoint(out / "checkpoint", ae, shipped, game, dcfg, sampler_cfg, ctx_frames, ctx_actions, notes)
 
     if acc.is_main_process:
