@@ -31,11 +31,13 @@ from .checkpoint import Checkpoint, CheckpointError
 from .sampler import (
     DDIMSampler,
     FrameBounds,
+    Pass,
     build_in_background,
     cache_dir,
     denoiser_pass,
     ensure_package,
     example_inputs,
+    latent_shape,
     load_package,
     package_path,
     plan_skip,
@@ -134,7 +136,10 @@ class NeuralEngine:
         # cells); it reads the ring alone, so on two cores it runs on the second while this one samples the frame
         self.bar = None if ckpt.bar is None else DDIMSampler(
             ckpt.bar, ckpt.sampler_cfg.steps, 1.0, ckpt.sampler_cfg.deadband, None, ckpt.sampler_cfg.skip).eval()
-        self.bar_pass = None if ckpt.bar is None else denoiser_pass(ckpt.bar, self.dtype)
+        self.bar_eager = None if ckpt.bar is None else denoiser_pass(ckpt.bar, self.dtype)
+        self.bar_pass = self.bar_eager  # eager, or its compiled package once it is there
+        self._bar_wanted: tuple[Path, str | None] | None = None  # its package, to build once the frame's is built
+        self._bar_building = False  # the background build is the bar's
         self.start_z = AE.encode(self.ae, ckpt.context_frames)  # (N, C, h, w), encoded once
         self.start_actions = torch.as_tensor(ckpt.context_actions, dtype=torch.long)
         self.latent_shape = tuple(self.start_z.shape[1:])
@@ -180,41 +185,61 @@ class NeuralEngine:
     def _example(self) -> tuple[torch.Tensor, ...]:
         return example_inputs(self.sampler.denoiser, self.latent_shape, 2 if self.batched else 1)
 
+    def _bar_example(self) -> tuple[torch.Tensor, ...]:
+        return example_inputs(self.ckpt.bar, latent_shape(self.ckpt, bar=True))
+
     def _start_compiled(self, ckpt_path: Path, wait: bool) -> None:
-        path = package_path(ckpt_path, self.dtype, batch=2 if self.batched else 1, student=self.student)
+        batch = 2 if self.batched else 1
+        path = package_path(ckpt_path, self.dtype, batch=batch, student=self.student)
+        self.denoise, broken = self._load(path, self.eager, self._example(), wait)
+        if broken is not False:
+            print("neuraldoom: compiling the sampler for this machine in the background (once; "
+                  "eager until it is ready)", file=sys.stderr)
+            self._builder = build_in_background(ckpt_path, self.dtype, broken, batch, self.student)
+            self._pending = path
+        if self.bar is not None:  # its package after the frame's (one build at a time beside play)
+            path = package_path(ckpt_path, self.dtype, bar=True)
+            self.bar_pass, broken = self._load(path, self.bar_eager, self._bar_example(), wait)
+            self._bar_wanted = (path, broken) if broken is not False else None
+            self._swap_in_compiled()
+
+    def _load(self, path: Path, eager: Pass, example: tuple[torch.Tensor, ...], wait: bool
+              ) -> tuple[Pass, str | None | bool]:
+        """(the pass to play now, False or what to build in the background: None where the package is missing,
+        the signature of a corrupt or stale one to rebuild over). With `wait` the package is built here."""
         broken = None
         if path.exists():
-            run = load_package(path, self.eager, self._example())
+            run = load_package(path, eager, example)
             if run is not None:
-                self.denoise = run
-                return
-            broken = signature(path)  # corrupt or stale: rebuilt over (eager meanwhile)
-        if wait:
-            try:
-                ensure_package(self.eager, self._example(), path, replace=broken)
-            except Exception as e:  # no compiler, out of disk…: play eager
-                first = (str(e).strip().splitlines() or [""])[0][:160]
-                print(f"neuraldoom: compiling the sampler failed ({type(e).__name__}: {first}); staying eager",
-                      file=sys.stderr)
-                return
-            self.denoise = load_package(path, self.eager, self._example()) or self.eager
-            return
-        print("neuraldoom: compiling the sampler for this machine in the background (once; "
-              "eager until it is ready)", file=sys.stderr)
-        self._builder = build_in_background(ckpt_path, self.dtype, broken, 2 if self.batched else 1,
-                                            self.student)
-        self._pending = path
+                return run, False
+            broken = signature(path)
+        if not wait:
+            return eager, broken
+        try:
+            ensure_package(eager, example, path, replace=broken)
+        except Exception as e:  # no compiler, out of disk…: play eager
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            print(f"neuraldoom: compiling the sampler failed ({type(e).__name__}: {first}); staying eager",
+                  file=sys.stderr)
+            return eager, False
+        return load_package(path, eager, example) or eager, False
 
     def _swap_in_compiled(self) -> None:
-        """Once the background build is done (one waitpid a step), switch to its package."""
-        if self._pending is None or self._builder.poll() is None:
-            return
-        path, self._pending = self._pending, None
-        if self._builder.returncode == 0 and path.exists():
-            self.denoise = load_package(path, self.eager, self._example()) or self.eager
-        else:  # the build failed (no compiler?): stay eager
-            print(f"neuraldoom: compiling the sampler failed; staying eager (see {cache_dir() / 'build.log'})",
-                  file=sys.stderr)
+        """Once a background build is done (one waitpid a step), switch to its package; then build the next."""
+        if self._pending is not None and self._builder.poll() is not None:
+            path, self._pending = self._pending, None
+            if self._builder.returncode != 0 or not path.exists():  # the build failed (no compiler?): stay eager
+                print(f"neuraldoom: compiling the sampler failed; staying eager (see {cache_dir() / 'build.log'})",
+                      file=sys.stderr)
+            elif self._bar_building:
+                self.bar_pass = load_package(path, self.bar_eager, self._bar_example()) or self.bar_eager
+            else:
+                self.denoise = load_package(path, self.eager, self._example()) or self.eager
+            self._bar_building = False
+        if self._pending is None and self._bar_wanted is not None:
+            (path, broken), self._bar_wanted = self._bar_wanted, None
+            self._builder = build_in_background(self.ckpt.path, self.dtype, broken, bar=True)
+            self._pending, self._bar_building = path, True
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, compile: bool = True, **kw) -> NeuralEngine:
@@ -273,8 +298,9 @@ class NeuralEngine:
     def _bar_rows(self, noise: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """The status-bar denoiser's rows [first, bottom) of the next latent, from its rows of the ring."""
         top, first, bottom = self.ckpt.bar_cfg.rows
-        rows = self.bar.sample(noise[:, :, top:bottom], self.z[None, :, :, top:bottom].contiguous(), codes,
-                               self.bar_pass)
+        # contiguous: the compiled package assumes its inputs' strides
+        rows = self.bar.sample(noise[:, :, top:bottom].contiguous(), self.z[None, :, :, top:bottom].contiguous(),
+                               codes, self.bar_pass)
         return rows[:, :, first - top:]
 
     def _decode(self, z: torch.Tensor) -> np.ndarray:

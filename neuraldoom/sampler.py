@@ -203,12 +203,12 @@ def cache_dir() -> Path:
 
 
 def package_path(checkpoint: Path, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 batch: int = 1, student: int = 0) -> Path:
-    """Where the compiled pass of a checkpoint lives: keyed by its weights (the teacher's, or those of its
-    `student`-step student) and configs, the dtype, the batch, torch, the CPU and the thread count (the
-    package is machine-specific; never commit it)."""
+                 batch: int = 1, student: int = 0, bar: bool = False) -> Path:
+    """Where the compiled pass of a checkpoint lives: keyed by its weights (the teacher's, those of its
+    `student`-step student, or with `bar` its status-bar denoiser's) and configs, the dtype, the batch, torch,
+    the CPU and the thread count (the package is machine-specific; never commit it)."""
     h = hashlib.sha256()
-    weights = checkpoint / "students" / str(student) if student else checkpoint
+    weights = checkpoint / "bar" if bar else checkpoint / "students" / str(student) if student else checkpoint
     for d in ("unet", "action_encoder"):
         h.update((weights / d / "diffusion_pytorch_model.safetensors").read_bytes())
         h.update((weights / d / "config.json").read_bytes())
@@ -220,6 +220,17 @@ def package_path(checkpoint: Path, dtype: torch.dtype = torch.float32, threads: 
     h.update(repr(("pass-v1", dtype_name(dtype), batch, torch.__version__, platform.machine(),
                    torch.backends.cpu.get_cpu_capability(), threads)).encode())
     return cache_dir() / f"pass-{h.hexdigest()[:20]}.pt2"
+
+
+def latent_shape(ckpt, bar: bool = False) -> tuple[int, int, int]:
+    """(C, h, w): the latent a checkpoint's denoiser samples, or (`bar`) its status-bar denoiser's rows of it."""
+    from . import autoencoder as AE
+
+    h, w = AE.latent_hw(ckpt.ae, ckpt.game.height, ckpt.game.width)
+    if bar:
+        top, _, bottom = ckpt.bar_cfg.rows
+        h = bottom - top
+    return ckpt.ae.config.latent_channels, h, w
 
 
 def example_inputs(denoiser: Denoiser, latent_shape: tuple[int, ...], batch: int = 1) -> tuple[torch.Tensor, ...]:
@@ -368,10 +379,10 @@ def load_package(path: Path, reference: nn.Module, example: tuple[torch.Tensor, 
 
 
 def build_in_background(checkpoint: Path, dtype: torch.dtype, replace: str | None = None,
-                        batch: int = 1, student: int = 0) -> subprocess.Popen:
+                        batch: int = 1, student: int = 0, bar: bool = False) -> subprocess.Popen:
     """Compile in a separate process (play goes on eagerly meanwhile); the result lands in the cache."""
     cmd = [sys.executable, "-m", "neuraldoom.sampler", str(checkpoint), dtype_name(dtype),
-           str(torch.get_num_threads()), str(batch), str(student)] + ([replace] if replace else [])
+           str(torch.get_num_threads()), str(batch), "bar" if bar else str(student)] + ([replace] if replace else [])
     cache_dir().mkdir(parents=True, exist_ok=True)
     log = open(cache_dir() / "build.log", "ab")  # a failed build explains itself here, not over the game
     try:
@@ -381,20 +392,20 @@ def build_in_background(checkpoint: Path, dtype: torch.dtype, replace: str | Non
 
 
 def _main(argv: list[str]) -> int:
-    """python -m neuraldoom.sampler CHECKPOINT DTYPE THREADS BATCH STUDENT [REPLACE]: build the compiled pass
-    of the teacher (STUDENT 0) or of the STUDENT-step student into the cache (REPLACE: the signature of a
-    broken package to rebuild over)."""
-    from . import autoencoder as AE
+    """python -m neuraldoom.sampler CHECKPOINT DTYPE THREADS BATCH PART [REPLACE]: build the compiled pass of the
+    teacher (PART 0), of the PART-step student or (PART "bar") of the status-bar denoiser into the cache
+    (REPLACE: the signature of a broken package to rebuild over)."""
     from .checkpoint import Checkpoint
 
     ckpt_dir, dtype, threads, batch = Path(argv[0]), DTYPES[argv[1]], int(argv[2]), int(argv[3])
-    student = int(argv[4])
+    bar = argv[4] == "bar"
+    student = 0 if bar else int(argv[4])
     replace = argv[5] if len(argv) > 5 else None
     torch.set_num_threads(threads)
     ck = Checkpoint(ckpt_dir)
-    denoiser = ck.student(student) if student else ck.denoiser
-    shape = (ck.ae.config.latent_channels, *AE.latent_hw(ck.ae, ck.game.height, ck.game.width))
-    path = package_path(ckpt_dir, dtype, threads, batch, student)
+    denoiser = ck.bar if bar else ck.student(student) if student else ck.denoiser
+    shape = latent_shape(ck, bar)
+    path = package_path(ckpt_dir, dtype, threads, batch, student, bar)
     t0 = time.time()
     if ensure_package(DenoiserPass(denoiser, dtype), example_inputs(denoiser, shape, batch), path, replace):
         print(f"neuraldoom: compiled the sampler {path.name} in {time.time() - t0:.0f}s", flush=True)

@@ -267,3 +267,31 @@ def test_bench_never_reports_a_failed_compile_as_compiled(tiny_checkpoint, monke
     assert "compiled" not in rows and rows.count("eager*") == rows.count("eager") > 0
     assert len(calls) == 1 and err.count("compiling the sampler failed") == 1  # tried once, said once
     assert out.strip().splitlines()[-1].startswith("fps=")
+
+
+@pytest.mark.slow
+def test_a_status_bar_denoiser_is_compiled_after_the_frames_and_plays_as_eager(tiny_checkpoint, monkeypatch,
+                                                                                tmp_path):
+    from neuraldoom.checkpoint import save_checkpoint
+
+    monkeypatch.setenv("NEURALDOOM_CACHE", str(tmp_path / "cache"))
+    ck = Checkpoint(tiny_checkpoint)
+    torch.manual_seed(1)
+    bcfg = replace(ck.denoiser_cfg, rows=(28, 29, 32))
+    with_bar = tmp_path / "with-bar"
+    save_checkpoint(with_bar, ck.ae, ck.denoiser, ck.game, ck.denoiser_cfg, ck.sampler_cfg, ck.context_frames,
+                    ck.context_actions, bar=(build_denoiser(bcfg, 4, (4, 40)), bcfg, {}))
+    ck = Checkpoint(with_bar)
+    eng = NeuralEngine(ck, compile=True, dtype="float32", cores=1)
+    first = eng._builder  # the frame's package first: one build at a time beside play
+    wait_for([first])
+    eng.step(A.NOOP)  # swaps it in, then starts the bar's
+    assert first.returncode == 0 and eng.compiled and eng._builder is not first
+    wait_for([eng._builder])
+    eng.step(A.NOOP)
+    assert eng.bar_pass is not eng.bar_eager and eng._builder.returncode == 0
+    assert S.package_path(with_bar, torch.float32, bar=True).exists()
+    f_frames, f_z = play(eng)
+    e_frames, e_z = play(NeuralEngine(ck, compile=False, dtype="float32", cores=1))
+    assert (f_z - e_z).abs().max() < 1e-3  # the bar's rows too: its inputs are cut out of the ring contiguous
+    eng.close()
