@@ -129,9 +129,9 @@ def variants(ckpt: Checkpoint, modes: list[bool], steps_list: list[int], quick: 
             for steps in steps_list:
                 g = cfg != 1.0
                 dflt = (cfg, steps) == (guided, steps0) and not by_student
-                out.append(Variant(comp, dt, cfg, steps, 1, default=dflt and not (two and g)))
-                # a second core without CFG has only the decode to take
-                out.append(Variant(comp, dt, cfg, steps, 2, "cfg" if g else "decode", default=dflt and two and g))
+                out.append(Variant(comp, dt, cfg, steps, 1, default=dflt and not two))
+                # a second core without CFG has only the decode (and a status-bar denoiser) to take: play's "auto"
+                out.append(Variant(comp, dt, cfg, steps, 2, "cfg" if g else "decode", default=dflt and two))
         for n in sorted(ckpt.students, reverse=True):
             out.append(Variant(comp, dt, 1.0, n, 1, student=True, default=n == steps0 and not two))
             out.append(Variant(comp, dt, 1.0, n, 2, "decode", student=True, default=n == steps0 and two))

@@ -450,6 +450,18 @@ def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_
     assert torch.equal(one.next_latent(NOOP), z1)
 
 
+def test_the_benchs_default_row_is_what_play_runs_for_an_unguided_teacher(tiny_checkpoint, tmp_path, monkeypatch):
+    from neuraldoom import bench
+
+    out = tmp_path / "cfg1"
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--guidance", "1.0", "--out", str(out)]) == 0
+    monkeypatch.setattr(bench, "usable_cores", lambda: 2)
+    ck = Checkpoint(out)
+    (v,) = [v for v in bench.variants(ck, [False], [ck.sampler_cfg.steps], True) if v.default]
+    play = NeuralEngine(ck, compile=False, cores=2, parallel="auto")  # as `python main.py` builds it
+    assert (v.cores, v.parallel) == (2, "decode") and play.pipeline and not play.split
+
+
 @pytest.mark.parametrize("rows", [["28", "29", "31"], ["29", "28", "32"], ["28"]])
 def test_status_bar_rows_that_are_not_a_region_are_refused(tiny_checkpoint, tiny_dataset, tmp_path, capsys, rows):
     assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, tmp_path / "x", "--rows", *rows)) == 2
