@@ -132,9 +132,9 @@ class NeuralEngine:
         self.dtype = resolve_dtype(dtype)
         self.eager = denoiser_pass(denoiser, self.dtype)
         self.denoise = self.eager  # the pass: eager, or the compiled package once it is there
-        # the checkpoint's status-bar denoiser, if any: the teacher's plan, unguided, eager (a quarter of the frame's
-        # cells); it reads the ring alone, so on two cores it runs on the second while this one samples the frame
-        self.bar = None if ckpt.bar is None else DDIMSampler(
+        # the checkpoint's status-bar denoiser, if any: the teacher's plan, unguided, compiled like the frame's pass;
+        # it reads the ring alone, so on two cores it runs on the second while this one samples the frame
+        self.bar_sampler = None if ckpt.bar is None else DDIMSampler(
             ckpt.bar, ckpt.sampler_cfg.steps, 1.0, ckpt.sampler_cfg.deadband, None, ckpt.sampler_cfg.skip).eval()
         self.bar_eager = None if ckpt.bar is None else denoiser_pass(ckpt.bar, self.dtype)
         self.bar_pass = self.bar_eager  # eager, or its compiled package once it is there
@@ -197,7 +197,7 @@ class NeuralEngine:
                   "eager until it is ready)", file=sys.stderr)
             self._builder = build_in_background(ckpt_path, self.dtype, broken, batch, self.student)
             self._pending = path
-        if self.bar is not None:  # its package after the frame's (one build at a time beside play)
+        if self.bar_sampler is not None:  # its package after the frame's (one build at a time beside play)
             path = package_path(ckpt_path, self.dtype, bar=True)
             self.bar_pass, broken = self._load(path, self.bar_eager, self._bar_example(), wait)
             self._bar_wanted = (path, broken) if broken is not False else None
@@ -283,11 +283,11 @@ class NeuralEngine:
         a = torch.from_numpy(action.code)[None]
         codes = torch.cat([self.actions, a])[None]  # (1, N+1, 2)
         noise = torch.randn((1, *self.latent_shape), generator=self.gen)
-        # contiguous: the compiled package assumes its inputs' strides; the encoder returns channels_last
-        on_two = self.bar is not None and self._pool is not None
+        on_two = self.bar_sampler is not None and self._pool is not None
         bar = self._pool.submit(self._bar_rows, noise, codes) if on_two else None
+        # contiguous: the compiled package assumes its inputs' strides; the encoder returns channels_last
         z = self.run(noise, self.z[None].contiguous(), codes).contiguous()  # (1, C, h, w)
-        if self.bar is not None:  # the status bar's rows drawn by its own denoiser
+        if self.bar_sampler is not None:  # the status bar's rows drawn by its own denoiser
             _, first, bottom = self.ckpt.bar_cfg.rows
             z[:, :, first:bottom] = bar.result() if bar is not None else self._bar_rows(noise, codes)
         self.z = torch.cat([self.z[1:], z])
@@ -299,8 +299,8 @@ class NeuralEngine:
         """The status-bar denoiser's rows [first, bottom) of the next latent, from its rows of the ring."""
         top, first, bottom = self.ckpt.bar_cfg.rows
         # contiguous: the compiled package assumes its inputs' strides
-        rows = self.bar.sample(noise[:, :, top:bottom].contiguous(), self.z[None, :, :, top:bottom].contiguous(),
-                               codes, self.bar_pass)
+        ring = self.z[None, :, :, top:bottom].contiguous()
+        rows = self.bar_sampler.sample(noise[:, :, top:bottom].contiguous(), ring, codes, self.bar_pass)
         return rows[:, :, first - top:]
 
     def _decode(self, z: torch.Tensor) -> np.ndarray:
