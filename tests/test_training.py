@@ -448,6 +448,13 @@ def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_
     assert with_bar.step(NOOP).shape == (120, 160, 3)
     one = NeuralEngine(ck, compile=False, seed=5, cores=1)  # the bar after the frame on one core: the same numbers
     assert torch.equal(one.next_latent(NOOP), z1)
+    # --init-from a checkpoint that carries a bar for these rows continues that bar, not the frame denoiser
+    more = tmp_path / "more"
+    assert train_diffusion.main(continued(tiny_dataset, again, more, "--rows", "28", "29", "32", "--lr", "0")) == 0
+    for p, q in zip(Checkpoint(more / "checkpoint").denoiser.parameters(), ck.bar.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)  # not moved (rate 0): the bar it started from
+    assert not all(torch.allclose(p, q, atol=1e-6) for p, q in zip(ck.denoiser.parameters(), ck.bar.parameters(),
+                                                                   strict=True))  # which is not the frame's
 
 
 def test_the_benchs_default_row_is_what_play_runs_for_an_unguided_teacher(tiny_checkpoint, tmp_path, monkeypatch):
