@@ -186,7 +186,6 @@ class Denoiser(nn.Module):
         self.action_encoder = action_encoder
         cfg = cfg or DenoiserConfig(context=action_encoder.config.length - 1)
         self.reads = frames_read(cfg)
-        self.rows = tuple(cfg.rows)  # () whole frames; (top, first, bottom): a status-bar denoiser (bar_rows)
         self.delta = cfg.target == "delta"
         self.delta_scale = float(cfg.delta_scale)
         self.action_embed = unet.config.time_cond_proj_dim is not None
