@@ -200,6 +200,8 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
     assert np.isfinite(rep["event_move"]) and np.isfinite(rep["event_move_median"])
     assert Image.open(out / "events.png").size[0] == 3 * 160
     assert "copy-last-frame PSNR" in capsys.readouterr().out
+    if rep["ar_statusbar_acc"] is not None:  # each rollout's first miss (or none), one per rollout
+        assert len(rep["ar_statusbar_misses"]) == rep["n_rollouts"]
     # the per-frame errors behind the set PSNRs, kept for paired comparisons
     assert len(rep["tf_mse"]) == len(rep["tf_copy_last_mse"]) == 4
     assert evaluate.M.psnr_from_mse(float(np.mean(rep["tf_mse"]))) == pytest.approx(rep["tf_psnr"])
@@ -270,6 +272,26 @@ def test_compare_refuses_reports_on_other_targets(tmp_path, capsys):
     (tmp_path / "old.json").write_text(json.dumps({"tf_psnr": 20.0}))  # a report from before the errors were kept
     assert compare.main([str(tmp_path / "old.json"), str(tmp_path / "a.json")]) == 2
     assert "re-evaluate" in capsys.readouterr().err
+
+
+def test_first_misses_name_the_step_field_and_kind_of_each_rollouts_first_wrong_read():
+    R, T = 4, 6
+    shown = np.tile(np.array([46, 100, 0]), (R, T, 2, 1))
+    shown[1, 3:, :, 0] = 45  # a shot at step 3 ...
+    shown[1, 3, 0, 0] = 46  # ... whose step may still show the old count
+    reads = shown[:, :, -1].copy()
+    reads[1, 3:, 0] = 46  # rollout 1 keeps the old count: a missed change, wrong from step 4 (step 3 may show 46)
+    reads[2, 2:, 1] = -1  # rollout 2's health smears: unreadable
+    reads[3, 5, 0] = 44  # rollout 3 counts a shot the game did not make
+    ok = (reads[:, :, None] == shown).any(2)
+    alive = np.ones((R, T), bool)
+    alive[3, 5] = False  # ... past its episode's end: not a miss
+    misses = evaluate.first_misses(reads, shown, ok, alive)
+    assert misses[0] is None and misses[3] is None
+    assert misses[1] == {"step": 5, "field": "ammo", "shown": 45, "read": 46, "kind": "missed"}
+    assert misses[2] == {"step": 3, "field": "health", "shown": 100, "read": -1, "kind": "unreadable"}
+    alive[3, 5] = True
+    assert evaluate.first_misses(reads, shown, ok, alive)[3]["kind"] == "spurious"
 
 
 def test_motion_names_what_a_step_did_to_the_view():

@@ -42,7 +42,8 @@ Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png and OUT
 Set PSNR is 10*log10(255^2 / mean MSE) over all frames, never a mean of per-frame PSNRs. The per-frame
 errors behind the teacher-forced and autoregressive PSNRs (tf_mse, ar_mse and their copy-last twins) and the
 rollouts' per-step status-bar reads (ar_statusbar_ok) are kept, so that `training.compare` can tell two
-checkpoints evaluated on the same targets apart from the evaluation's own noise.
+checkpoints evaluated on the same targets apart from the evaluation's own noise; ar_statusbar_misses holds each
+rollout's first wrong read and its kind (first_misses), the printed table their count by kind.
 """
 
 from __future__ import annotations
@@ -109,6 +110,32 @@ def history(rec: Recording, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     noop = A.NOOP.code
     acts = np.stack([rec.actions[j - 1] if j - 1 >= s else noop for j in range(lo, i)])
     return np.asarray(rec.frames[lo:i]), acts
+
+
+MISS_KINDS = ("unreadable", "missed", "spurious")
+
+
+def first_misses(reads: np.ndarray, values: np.ndarray, ok: np.ndarray, alive: np.ndarray,
+                 recent: int = 8) -> list[dict[str, Any] | None]:
+    """Per rollout, its status bar's first wrong read (a rollout's bar, once wrong, mostly stays wrong: what
+    the model does at that step decides the rest): step (1-based), field, what the bar showed and what was
+    read, and its kind: "unreadable" (no number: a smeared glyph), "missed" (a number the bar showed within
+    `recent` steps before: a change not drawn, e.g. a pickup or a shot) or "spurious" (another number: a change
+    the game did not make). None: read right at every step. reads (R, T, 3) as StatusBarReader.read; values
+    (R, T, K, 3) candidates (statusbar.frame_values); ok (R, T, 3) per field; alive (R, T)."""
+    out: list[dict[str, Any] | None] = []
+    for j in range(len(reads)):
+        bad = np.flatnonzero(alive[j] & ~ok[j].all(-1))
+        if not len(bad):
+            out.append(None)
+            continue
+        t = int(bad[0])
+        k = int(np.flatnonzero(~ok[j, t])[0])
+        got, shown = int(reads[j, t, k]), int(values[j, t, -1, k])
+        before = values[j, max(0, t - recent):t + 1, :, k]
+        kind = "unreadable" if got == SB.UNREADABLE else "missed" if (before == got).any() else "spurious"
+        out.append({"step": t + 1, "field": SB.FIELDS[k], "shown": shown, "read": got, "kind": kind})
+    return out
 
 
 def statusbar_ok(frames: np.ndarray, values: np.ndarray) -> np.ndarray | None:
@@ -304,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     report["ar_mse"] = _per_step(M.frame_mse(ar_gen, ar_real), alive)
     report["ar_copy_last_mse"] = _per_step(M.frame_mse(ar_copy, ar_real), alive)
     report["ar_statusbar_ok"] = None if sb_ar is None else _per_step(sb_ar.all(-1), alive)
+    report["ar_statusbar_misses"] = None if sb_ar is None else first_misses(
+        SB.default_reader().read(ar_gen.reshape(-1, H, W, 3)).reshape(len(starts), T, 3), ar_vals, sb_ar, alive)
     report.update(still_views(eng, ckpt.ae, real[: a.still], a.still_steps, out))
     report.update(free_runs(eng, a.free_steps, out))
     if sb:  # last: the rows above draw the engine's noise exactly as before this was measured
@@ -340,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         if t <= len(report["still_psnr"]):
             rows.append((f"still view, step {t}: PSNR / sharpness (autoencoder {report['still_ae_psnr']:.2f})",
                          f"{report['still_psnr'][t - 1]:.2f} / {report['still_sharpness'][t - 1]:.2f}"))
+    if report["ar_statusbar_misses"] is not None:
+        kinds = [m["kind"] if m else "none" for m in report["ar_statusbar_misses"]]
+        rows.append(("rollouts by their status bar's first miss: " + " / ".join(MISS_KINDS + ("none",)),
+                     " / ".join(str(kinds.count(k)) for k in MISS_KINDS + ("none",))))
     if report.get("n_events"):
         rows.append((f"status bar read right where its numbers change (n={report['n_events']}): model / copy-last",
                      f"{_fmt(report['event_statusbar_acc'])} / {_fmt(report['event_copy_last_statusbar_acc'])}"))

@@ -49,6 +49,13 @@ class Args:
     # under MAX_MB). It rounds the teacher, so students are distilled from the rounded one: export --half first
 
 
+def same_encoder(a: AutoencoderTiny, b: AutoencoderTiny) -> bool:
+    """Whether two autoencoders encode alike (bit for bit the same encoder weights): a denoiser trained on one's
+    latents fits the other's."""
+    return all(torch.equal(x, y) for x, y in zip(a.encoder.state_dict().values(), b.encoder.state_dict().values(),
+                                                 strict=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     if a.guidance < 0:
@@ -62,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         ae = ck.ae
         if a.autoencoder:
             new = load_model_dir(AutoencoderTiny, a.autoencoder)
-            same = all(torch.equal(x, y) for x, y in zip(ck.ae.encoder.state_dict().values(),
-                                                         new.encoder.state_dict().values(), strict=True))
+            same = same_encoder(ck.ae, new)
             norm = (ck.ae.config.shift_factor, ck.ae.config.scaling_factor) == (new.config.shift_factor,
                                                                                  new.config.scaling_factor)
             if not (same and norm):
@@ -93,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             if not other.denoiser_cfg.rows:
                 raise CheckpointError(f"{a.bar}: its denoiser draws whole frames, not a status bar's rows "
                                       "(train_diffusion --rows)")
-            same = all(torch.equal(x, y) for x, y in zip(ck.ae.encoder.state_dict().values(),
-                                                         other.ae.encoder.state_dict().values(), strict=True))
-            if not same or other.denoiser_cfg.context != ck.denoiser_cfg.context:
+            if not same_encoder(ck.ae, other.ae) or other.denoiser_cfg.context != ck.denoiser_cfg.context:
                 raise CheckpointError(f"{a.bar} was trained on another encoder's latents or context than "
                                       f"{a.checkpoint}'s")
             bar = (other.denoiser, other.denoiser_cfg, dict(other.config.get("notes", {}), checkpoint=a.bar))
