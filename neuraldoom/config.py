@@ -120,6 +120,9 @@ class SamplerConfig:
     deadband: float = 0.0  # a delta model's predicted change is dropped in the latent cells where it is under
     # this (RMS over channels, in units of one step's change std): there it is sampling noise, and in play it
     # accumulates step after step (status-bar digits and still views drift within seconds); 0 = off
+    bar_deadband: float = -1.0  # the status-bar denoiser's own (DenoiserConfig.rows); below 0: the frame's. Its
+    # fields sit still for hundreds of frames and then change a whole glyph at once: a wider band keeps a drawn
+    # glyph from slowly losing shape without stopping the change
     mean_lo: tuple[float, ...] = ()  # per latent channel: the range of a training frame's mean (sampler.FrameBounds,
     mean_hi: tuple[float, ...] = ()  # set by training.export --bounds-from); every generated frame is held inside
     std_hi: tuple[float, ...] = ()  # it and under the largest spread; () = not held

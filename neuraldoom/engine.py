@@ -134,8 +134,9 @@ class NeuralEngine:
         self.denoise = self.eager  # the pass: eager, or the compiled package once it is there
         # the checkpoint's status-bar denoiser, if any: the teacher's plan, unguided, compiled like the frame's pass;
         # it reads the ring alone, so on two cores it runs on the second while this one samples the frame
+        cfg = ckpt.sampler_cfg
         self.bar_sampler = None if ckpt.bar is None else DDIMSampler(
-            ckpt.bar, ckpt.sampler_cfg.steps, 1.0, ckpt.sampler_cfg.deadband, None, ckpt.sampler_cfg.skip).eval()
+            ckpt.bar, cfg.steps, 1.0, cfg.deadband if cfg.bar_deadband < 0 else cfg.bar_deadband, None, cfg.skip).eval()
         self.bar_eager = None if ckpt.bar is None else denoiser_pass(ckpt.bar, self.dtype)
         self.bar_pass = self.bar_eager  # eager, or its compiled package once it is there
         self._bar_wanted: tuple[Path, str | None] | None = None  # its package, to build once the frame's is built

@@ -458,6 +458,14 @@ def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_
     again = tmp_path / "again"  # a re-export carries it, as it carries the students
     assert export.main(["--checkpoint", str(out), "--out", str(again)]) == 0
     ck = Checkpoint(again)
+    # the bar's deadband: the frame's unless set apart, and play's bar sampler uses it
+    assert NeuralEngine(ck, compile=False).bar_sampler.deadband == ck.sampler_cfg.deadband
+    banded = tmp_path / "banded"
+    assert export.main(["--checkpoint", str(again), "--bar-deadband", "0.5", "--out", str(banded)]) == 0
+    assert Checkpoint(banded).sampler_cfg.bar_deadband == 0.5
+    eng = NeuralEngine(Checkpoint(banded), compile=False)  # (a frame target has no change to drop: 0)
+    assert eng.bar_sampler.deadband == (0.5 if ck.bar.delta else 0.0)
+    assert eng.sampler.deadband == ck.sampler_cfg.deadband
     assert ck.bar is not None and ck.bar_cfg.rows == (28, 29, 32)
     for p, q in zip(ck.bar.parameters(), alone.denoiser.parameters(), strict=True):  # float16 on disk
         assert torch.allclose(p, q, atol=2e-3, rtol=2e-3)

@@ -39,6 +39,8 @@ class Args:
     students: tuple[str, ...] = ()  # checkpoints whose distilled students to carry (later ones win)
     guidance: float = 0.0  # the teacher's classifier-free guidance weight to ship (0 = keep the checkpoint's)
     deadband: float = -1.0  # the sampler's deadband to ship (SamplerConfig.deadband; -1 = keep the checkpoint's)
+    bar_deadband: float = -1.0  # the status-bar denoiser's deadband to ship (SamplerConfig.bar_deadband; -1 = keep
+    # the checkpoint's)
     skip: int = -1  # the teacher's first DDIM steps not run (SamplerConfig.skip; -1 = keep the checkpoint's)
     bounds_from: str = ""  # a latent cache of the training frames (train_diffusion's OUT/latents/train): hold every
     # generated frame inside their statistics' range (sampler.FrameBounds; "" = keep the checkpoint's)
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler_cfg = replace(ck.sampler_cfg, cfg=a.guidance) if a.guidance else ck.sampler_cfg
     if a.deadband >= 0:
         sampler_cfg = replace(sampler_cfg, deadband=a.deadband)
+    if a.bar_deadband >= 0:
+        sampler_cfg = replace(sampler_cfg, bar_deadband=a.bar_deadband)
     if a.skip >= 0:
         sampler_cfg = replace(sampler_cfg, skip=a.skip)
     sampler_cfg = replace(sampler_cfg, **bounds)
