@@ -485,6 +485,13 @@ def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_
         assert torch.allclose(p, q, atol=1e-6)  # not moved (rate 0): the bar it started from
     assert not all(torch.allclose(p, q, atol=1e-6) for p, q in zip(ck.denoiser.parameters(), ck.bar.parameters(),
                                                                    strict=True))  # which is not the frame's
+    # other rows (more of the view above the bar as context) start from the carried bar's weights too
+    taller = tmp_path / "taller"
+    assert train_diffusion.main(continued(tiny_dataset, again, taller, "--rows", "24", "29", "32", "--lr", "0")) == 0
+    grown = Checkpoint(taller / "checkpoint")
+    assert grown.denoiser_cfg.rows == (24, 29, 32) and tuple(grown.denoiser.unet.config.sample_size) == (8, 40)
+    for p, q in zip(grown.denoiser.parameters(), ck.bar.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
 
 
 def test_the_benchs_default_row_is_what_play_runs_for_an_unguided_teacher(tiny_checkpoint, tmp_path, monkeypatch):

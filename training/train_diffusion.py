@@ -148,8 +148,8 @@ class Args:
     # the weights move. Measured: neither learns faster per sample than the small model (docs/EXPERIMENTS.md)
     rows: tuple[int, ...] = ()  # TOP FIRST BOTTOM: a status-bar denoiser (DenoiserConfig.rows) trained on the latent
     # rows [TOP, BOTTOM) alone; training.export --bar pastes its rows [FIRST, BOTTOM) over a checkpoint's frames.
-    # With --init-from, it continues the status-bar denoiser the checkpoint carries for these rows, else it starts
-    # from the checkpoint's frame denoiser (convolutions and attention fit any size)
+    # With --init-from, it continues the status-bar denoiser the checkpoint carries (for other rows: from its
+    # weights), else it starts from the checkpoint's frame denoiser (convolutions and attention fit any size)
     deepen: bool = False  # with --init-from: one more layer in every UNet block, the function unchanged
     # (training.widen.deepen): the latents' full-size level, where fine detail is drawn, gets twice the convolutions
 
@@ -408,17 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         if a.reference not in ("seen", "clean") or not 0 <= a.clean_share <= 1 or not 0 <= a.own_frames <= 1:
             raise CheckpointError(f"--reference must be seen or clean (not {a.reference!r}), --clean-share and "
                                   f"--own-frames within [0, 1] (not {a.clean_share}, {a.own_frames})")
-        # what continues: the checkpoint's denoiser, or with --rows the status-bar denoiser it carries for those rows
+        # what continues: the checkpoint's denoiser, or with --rows the status-bar denoiser it carries (for other
+        # rows too: the UNet's convolutions and attention fit any size, so a bar of more rows starts from its weights)
         base, base_cfg = (None, None) if init is None else (
-            (init.bar, init.bar_cfg) if a.rows and init.bar_cfg is not None and init.bar_cfg.rows == a.rows
-            else (init.denoiser, init.denoiser_cfg))
+            (init.bar, init.bar_cfg) if a.rows and init.bar_cfg is not None else (init.denoiser, init.denoiser_cfg))
         if init:  # a continued checkpoint keeps its architecture; --action-embed may graft the action path on
             dcfg = replace(base_cfg, action_embed=base_cfg.action_embed or a.action_embed,
                            only_cross_attention=base_cfg.only_cross_attention or a.only_cross_attention,
                            cross_only_levels=tuple(sorted({*base_cfg.cross_only_levels, *a.cross_only_levels})),
                            rows=a.rows or base_cfg.rows)
-            if a.rows and base_cfg.rows and a.rows != base_cfg.rows:
-                raise CheckpointError(f"{a.init_from} draws the rows {base_cfg.rows}, not --rows {a.rows}")
         else:
             dcfg = replace(DenoiserConfig(), context=a.context, block_out_channels=a.block_out_channels,
                            attention_heads=a.attention_heads, cross_attention_dim=a.cross_attention_dim,
