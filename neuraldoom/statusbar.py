@@ -276,7 +276,11 @@ def sample_recordings(recs: list[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
 def read_ok(reader: StatusBarReader, frames: np.ndarray, values: np.ndarray) -> np.ndarray:
     """(N, 3) bool: each field of each frame read right. values: (N, 3), or (N, K, 3) where a field is
     right if it matches any of its K candidates (shown_values)."""
-    got = reader.read(frames)
+    return reads_ok(reader.read(frames), values)
+
+
+def reads_ok(got: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """read_ok of reads already made: got (N, 3) as StatusBarReader.read."""
     return (got[:, None] == _candidates(values, len(got))).any(1)
 
 
