@@ -49,6 +49,18 @@ class LatentSet:
     def __len__(self) -> int:
         return len(self.targets)
 
+    def follow_events(self, after: int) -> None:
+        """Make the `after` target rows that follow each event in its episode events too: a status-bar
+        denoiser draws a new number on the step it changes, then loses its shape one or two steps later, where
+        the context's frames disagree (the newest shows it, the older ones the number before)."""
+        ev = self.event_targets
+        rows = (ev[:, None] + torch.arange(after + 1)).flatten()
+        src = ev.repeat_interleave(after + 1)
+        keep = rows < len(self.ep_start)
+        rows, src = rows[keep], src[keep]
+        keep = (self.ep_start[rows] == self.ep_start[src]) & torch.isin(rows, self.targets)
+        self.event_targets = torch.unique(rows[keep])
+
     def draw(self, n: int, gen: torch.Generator, wall_share: float = 1.0) -> torch.Tensor:
         """n target rows drawn uniformly; a close-wall one is kept with probability wall_share, else
         replaced by a draw from the others (1: the data as recorded, the generator used as before)."""

@@ -95,6 +95,8 @@ class Args:
     event_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose change makes an event: "ammo" alone (the shots,
     # ~90% of the events) leaves out the damage and pickup flashes; it learns the count faster, but free play still
     # drifts red by 750-1,000 steps: the flashes were not the cause (docs/EXPERIMENTS.md)
+    event_after: int = 0  # the targets that follow each event within this many steps are events too: the
+    # status bar's denoiser drew a new number on its step, then smeared it one or two steps later
     digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight ("ammo": 18 cells, not
     # 54; with ammo events the count moved furthest per sample and 500 steps of free play held as the shipped's)
     wall_share: float = 1.0  # a training target that shows a close wall (metrics.close_wall: ~20% of sticky-random
@@ -394,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--digit-scope must be all or events, not {a.digit_scope!r}")
         if not 0 <= a.wall_share <= 1:
             raise CheckpointError(f"--wall-share must be within [0, 1], not {a.wall_share}")
+        if a.event_after < 0:
+            raise CheckpointError(f"--event-after must be 0 or more, not {a.event_after}")
         if not 0 <= a.event_share <= 1:
             raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
         try:
@@ -450,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             events = a.event_fields if a.event_share > 0 else ()
             train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames, events=events,
                             walls=a.wall_share < 1)
+            train.follow_events(a.event_after)
             held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
         ae.cpu()
     except (CheckpointError, RecordingError) as e:
@@ -553,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                  "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "digit_scope": a.digit_scope,
                  "event_share": a.event_share, "event_fields": list(a.event_fields),
+                 "event_after": a.event_after,
                  "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
