@@ -448,7 +448,8 @@ def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_
 
     bar = tmp_path / "bar"
     assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, bar, "--rows", "28", "29", "32",
-                                          "--event-share", "0.5", "--digit-weight", "10")) == 0
+                                          "--event-share", "0.5", "--digit-weight", "10", "--event-after", "1",
+                                          "--view-weight", "0.5")) == 0
     alone = Checkpoint(bar / "checkpoint")
     assert alone.denoiser_cfg.rows == (28, 29, 32) and tuple(alone.denoiser.unet.config.sample_size) == (4, 40)
     with pytest.raises(CheckpointError, match="export --bar"):  # its rows alone do not play
@@ -595,6 +596,7 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
 
 @pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"],
                                    ["--event-share", "1.5"], ["--event-after", "-1"], ["--drift", "-1"],
+                                   ["--view-weight", "-1"],
                                    ["--drift-share", "2"],
                                    ["--timesteps", "some"], ["--warp-mode", "cubic", "--turn-warp"],
                                    ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
@@ -745,6 +747,11 @@ def test_the_number_cells_weighted_are_the_ones_the_digits_are_drawn_in():
     assert ammo.nonzero()[:, 1].unique().tolist() == [*range(0, 6)] and not (ammo & ~cells).any()
     w = train_diffusion.loss_weights((32, 40), 4, (120, 160), 1.0, 30.0, ("ammo",))
     assert w[ammo].eq(30).all() and w[cells & ~ammo].eq(1).all()
+    bar = train_diffusion.bar_weights(w, (16, 25, 32), 40, 0.1)  # a bar reading the view's rows 16-24
+    assert bar.shape == (16, 40) and torch.equal(bar[9:], w[25:]) and bar[:9].eq(0.1).all()
+    assert train_diffusion.bar_weights(None, (24, 25, 32), 40, 1.0) is None  # all alike
+    stacked = train_diffusion.bar_weights(torch.stack([w, w]), (24, 25, 32), 40, 0.0)  # per sample
+    assert stacked.shape == (2, 8, 40) and stacked[:, 0].eq(0).all() and torch.equal(stacked[1, 1:], w[25:])
 
 
 def test_number_moves_reads_how_far_the_numbers_went_from_the_old_to_the_new():

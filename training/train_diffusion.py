@@ -97,6 +97,8 @@ class Args:
     # drifts red by 750-1,000 steps: the flashes were not the cause (docs/EXPERIMENTS.md)
     event_after: int = 0  # the targets that follow each event within this many steps are events too: the
     # status bar's denoiser drew a new number on its step, then smeared it one or two steps later
+    view_weight: float = 1.0  # loss weight of a status-bar denoiser's rows above its first (--rows): view it reads
+    # as context and play does not paste; at 1 its wider rows' view outweighs the bar in the loss
     digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight ("ammo": 18 cells, not
     # 54; with ammo events the count moved furthest per sample and 500 steps of free play held as the shipped's)
     wall_share: float = 1.0  # a training target that shows a close wall (metrics.close_wall: ~20% of sticky-random
@@ -267,6 +269,20 @@ def loss_weights(latent_hw: tuple[int, int], factor: int, frame_hw: tuple[int, i
     return torch.where(number_cells(latent_hw, factor, frame_hw, fields), torch.tensor(float(digit_weight)), w)
 
 
+def bar_weights(weight: torch.Tensor | None, region: tuple[int, int, int], width: int,
+                view_weight: float) -> torch.Tensor | None:
+    """A status-bar denoiser's share of the frame's loss weights (loss_weights; (h, w) or (B, h, w)): its rows
+    (top, first, bottom), those above first ×view_weight."""
+    top, first, bottom = region
+    if weight is not None:
+        weight = weight[..., top:bottom, :].clone()
+    if view_weight == 1:
+        return weight
+    weight = torch.ones(bottom - top, width) if weight is None else weight
+    weight[..., :first - top, :] *= view_weight
+    return weight
+
+
 def diffusion_loss(model: Denoiser, sched: DDPMScheduler, batch: tuple, cfg: DenoiserConfig,
                    dropout: float, gen: torch.Generator, device: torch.device, reference: str = "seen",
                    clean_share: float = 0.0, weight: torch.Tensor | None = None, drift: float = 0.0,
@@ -396,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--digit-scope must be all or events, not {a.digit_scope!r}")
         if not 0 <= a.wall_share <= 1:
             raise CheckpointError(f"--wall-share must be within [0, 1], not {a.wall_share}")
+        if a.view_weight < 0:
+            raise CheckpointError(f"--view-weight must be 0 or more, not {a.view_weight}")
         if a.event_after < 0:
             raise CheckpointError(f"--event-after must be 0 or more, not {a.event_after}")
         if not 0 <= a.event_share <= 1:
@@ -532,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         plain = loss_weights(full_hw, AE.downsampling(ae), (game.height, game.width), a.hud_weight, 1.0)
         plain = torch.ones_like(weight) if plain is None else plain
         weight = torch.stack([weight] * k_events + [plain] * (a.batch - k_events))
-    if weight is not None:
-        weight = weight[..., top:bottom, :]  # a status-bar denoiser's rows
+    if region:
+        weight = bar_weights(weight, region, full_hw[1], a.view_weight)
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
 
     @torch.no_grad()
@@ -558,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                  "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "digit_scope": a.digit_scope,
                  "event_share": a.event_share, "event_fields": list(a.event_fields),
-                 "event_after": a.event_after,
+                 "event_after": a.event_after, "view_weight": a.view_weight,
                  "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
