@@ -595,9 +595,8 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
 
 
 @pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"],
-                                   ["--event-share", "1.5"], ["--event-after", "-1"], ["--drift", "-1"],
-                                   ["--view-weight", "-1"],
-                                   ["--drift-share", "2"],
+                                   ["--event-share", "1.5"], ["--event-after", "-1"], ["--view-weight", "-1"],
+                                   ["--drift", "-1"], ["--drift-share", "2"],
                                    ["--timesteps", "some"], ["--warp-mode", "cubic", "--turn-warp"],
                                    ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
                                    ["--warp-fill", "last"], ["--digit-scope", "some"],
@@ -842,12 +841,12 @@ def test_the_status_bar_events_are_the_rows_whose_numbers_change(tiny_ae, tiny_d
     data.follow_events(0)
     assert torch.equal(data.event_targets, before)
     data.follow_events(2)
-    after, ep = set(data.event_targets.tolist()), data.ep_start.numpy()
-    assert events < after <= set(targets.tolist())
+    after, ep, rows = set(data.event_targets.tolist()), data.ep_start.numpy(), set(targets.tolist())
+    assert events < after <= rows
     for i in after - events:  # one or two steps after an event of its own episode
         assert any(i - j in events and ep[i - j] == ep[i] for j in (1, 2))
     for i in events:  # every target that follows one within two steps
-        assert all(i + j in after for j in (1, 2) if i + j in set(targets.tolist()) and ep[i + j] == ep[i])
+        assert all(i + j in after for j in (1, 2) if i + j in rows and ep[i + j] == ep[i])
 
 
 def test_close_wall_tells_a_wall_seen_from_up_close_from_a_view_with_floor_or_colour(tiny_dataset):
