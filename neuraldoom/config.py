@@ -122,7 +122,8 @@ class SamplerConfig:
     # accumulates step after step (status-bar digits and still views drift within seconds); 0 = off
     bar_deadband: float = -1.0  # the status-bar denoiser's own (DenoiserConfig.rows); below 0: the frame's. Its
     # fields sit still for hundreds of frames, then change a whole glyph at once; measured: 0.5 kept random play's
-    # glyphs better and cut the agent's changes short, 0.8 froze every change half-way (docs/EXPERIMENTS.md)
+    # glyphs better and cut the agent's changes short, 0.8 froze every change half-way; the bar trained with
+    # --event-after 2 reads as well at 0.5 and only there keeps 1,000 steps of free play (docs/EXPERIMENTS.md)
     mean_lo: tuple[float, ...] = ()  # per latent channel: the range of a training frame's mean (sampler.FrameBounds,
     mean_hi: tuple[float, ...] = ()  # set by training.export --bounds-from); every generated frame is held inside
     std_hi: tuple[float, ...] = ()  # it and under the largest spread; () = not held

@@ -138,13 +138,18 @@ def first_misses(reads: np.ndarray, values: np.ndarray, ok: np.ndarray, alive: n
     return out
 
 
+def statusbar_reads(frames: np.ndarray) -> np.ndarray | None:
+    """(N, 3) the status-bar fields as the shipped reader reads them; None where it does not apply (frames not
+    160x120)."""
+    frames = np.asarray(frames)
+    return SB.default_reader().read(frames) if frames.shape[1:] == SB.FRAME_SHAPE else None
+
+
 def statusbar_ok(frames: np.ndarray, values: np.ndarray) -> np.ndarray | None:
     """(N, 3) bool, each status-bar field read right by the shipped reader; None where it does not apply
     (frames not 160x120). values: (N, 3) or (N, K, 3) candidates (statusbar.frame_values)."""
-    frames = np.asarray(frames)
-    if frames.shape[1:] != SB.FRAME_SHAPE:
-        return None
-    return SB.read_ok(SB.default_reader(), frames, values)
+    got = statusbar_reads(frames)
+    return None if got is None else SB.reads_ok(got, values)
 
 
 def _fraction(ok: np.ndarray | None) -> float | None:
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ar_real_close_wall"] = float(wall_real[alive].mean()) if alive.any() else None
     report["ar_alive"] = alive.sum(0).tolist()
     # read once: the per-field hits and each rollout's first miss come from the same reads
-    ar_reads = SB.default_reader().read(ar_gen.reshape(-1, H, W, 3)) if sb and (H, W, 3) == SB.FRAME_SHAPE else None
+    ar_reads = statusbar_reads(ar_gen.reshape(-1, H, W, 3)) if sb else None
     sb_ar = None if ar_reads is None else SB.reads_ok(ar_reads, ar_vals.reshape(-1, 2, 3)).reshape(len(starts), T, 3)
     report["ar_statusbar_acc"] = None if sb_ar is None else _fraction(sb_ar[alive])
     # the baseline: the rollout's first context frame's bar held still (what a bar that never changes scores)
