@@ -1016,6 +1016,40 @@ def test_rollout_strip_writes_the_shown_steps(tiny_checkpoint, tmp_path, capsys)
     assert "\n" not in err and "--policy" in err
 
 
+def test_rollout_strip_real_row_is_the_real_game_on_the_same_actions(tiny_checkpoint, tmp_path, capsys):
+    from dataclasses import replace
+
+    from PIL import Image
+
+    from neuraldoom import actions as A
+    from neuraldoom.checkpoint import Checkpoint
+    from neuraldoom.game import RealGame
+    from training import rollout_strip
+
+    out = tmp_path / "real.png"
+    assert rollout_strip.main(["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--steps", "5",
+                               "--show", "0", "5", "--real", "--seed", "3"]) == 0
+    strip = np.asarray(Image.open(out))
+    assert strip.shape == (2 * 120, 2 * 160, 3)
+    assert "dB vs real" in capsys.readouterr().out
+    # the bottom row, replayed by hand: the policy's first draws are the warm-up, the next 5 the shown steps
+    ckpt = Checkpoint(tiny_checkpoint)
+    draw = A.StickyRandomPolicy(np.random.default_rng(3))
+    game = RealGame(replace(ckpt.game, episode_timeout=0))
+    try:
+        game.reset(3)
+        for _ in range(ckpt.denoiser_cfg.context - 1):
+            frame = game.step(draw()).copy()
+        warm = frame
+        for _ in range(5):
+            frame = game.step(draw()).copy()
+    finally:
+        game.close()
+    assert np.array_equal(strip[120:, :160], warm) and np.array_equal(strip[120:, 160:], frame)
+    assert np.array_equal(strip[:120, :160], warm)  # step 0: both engines show the last real frame
+    assert not np.array_equal(warm, frame)
+
+
 def test_colour_cast_reads_a_tinted_view_not_the_status_bar():
     from neuraldoom.metrics import hud_top
     from training.rollout_strip import colour_cast

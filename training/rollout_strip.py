@@ -8,12 +8,18 @@ a turn, idle the collection's play that also stands still) and writes a strip of
 steps (left to right; step 0 is the last real context frame). It prints each shown frame's gradient
 energy relative to that real frame (far below 1 is the melt into mush, far above 1 is noise) and the mean
 colour of its view (above the status bar): a drift into a colour cast, a white or a dark screen shows there.
+
+With --real the strip gets a second row, the real ViZDoom fed the same actions (neuraldoom.lockstep): both
+start from the real game's own first 64 steps of the same policy (not the checkpoint's start), so the
+picture answers what a number cannot: is the neural view what the game shows there (a wall when the player
+faces a wall), and does it follow the player's turns and moves. Each shown step prints its PSNR against the
+real frame; after the real episode ends (the player died) its row shows the last real frame.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,7 @@ from neuraldoom import metrics as M
 from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import parse_args
 from neuraldoom.engine import NeuralEngine
+from neuraldoom.lockstep import Lockstep
 
 POLICIES = {"sticky": {}, "straight": {"turns": False}, "idle": {"idle": 0.15}}
 
@@ -39,6 +46,7 @@ class Args:
     scale: int = 1
     compile: bool = False
     threads: int = 1
+    real: bool = False  # a second row: the real game on the same actions, both started from its own frames
 
 
 def view_rgb(frame: np.ndarray) -> np.ndarray:
@@ -66,6 +74,21 @@ def free_play(eng: NeuralEngine, policy: str, seed: int, steps: int, show: tuple
     return frames
 
 
+def lockstep_play(pair: Lockstep, policy: str, seed: int, steps: int, show: tuple[int, ...]
+                  ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """The neural engine and the real game on the same seeded `policy`: its first draws warm the real game
+    up into the neural context, the next `steps` go to both. The (neural, real) frames at the `show` steps
+    and at step 0 (the last warm-up frame, which both show)."""
+    draw = A.StickyRandomPolicy(np.random.default_rng(seed), **POLICIES[policy])
+    tick = pair.reset(seed, warmup_actions=(draw() for _ in range(pair.warmup)))
+    neural, real = {0: tick.neural}, {0: tick.real}
+    for t in range(1, steps + 1):
+        tick = pair.step(draw())
+        if t in show:
+            neural[t], real[t] = tick.neural, tick.real
+    return neural, real
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     torch.set_num_threads(a.threads)
@@ -78,11 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"rollout_strip: {e}", file=sys.stderr)
         return 2
-    frames = free_play(eng, a.policy, a.seed, a.steps, a.show)
+    real: dict[int, np.ndarray] = {}
+    if a.real:
+        from neuraldoom.game import RealGame
+
+        with Lockstep(RealGame(replace(eng.cfg, episode_timeout=0)), eng) as pair:
+            frames, real = lockstep_play(pair, a.policy, a.seed, a.steps, a.show)
+    else:
+        frames = free_play(eng, a.policy, a.seed, a.steps, a.show)
     first = frames[0]
-    sharp = [f"{t}: {M.sharpness(f[None], first[None]):.2f} (rgb {','.join(f'{c:.0f}' for c in view_rgb(f))})"
+    sharp = [f"{t}: {M.sharpness(f[None], first[None]):.2f} (rgb {','.join(f'{c:.0f}' for c in view_rgb(f))}"
+             + (f"; {M.psnr(f, real[t]):.1f} dB vs real" if real else "") + ")"
              for t, f in frames.items() if t]
-    strip = np.concatenate([frames[t] for t in a.show if t in frames], 1)
+    shown = [t for t in a.show if t in frames]
+    strip = np.concatenate([frames[t] for t in shown], 1)
+    if real:
+        strip = np.concatenate([strip, np.concatenate([real[t] for t in shown], 1)], 0)
     from PIL import Image
 
     img = Image.fromarray(strip)
@@ -92,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_name(out.name + ".tmp.png")
     img.save(tmp)
     tmp.replace(out)
-    print(f"rollout_strip: steps {', '.join(str(t) for t in a.show if t in frames)} -> {out}; "
+    print(f"rollout_strip: steps {', '.join(str(t) for t in shown)} -> {out}"
+          f"{' (top: neural, bottom: the real game)' if real else ''}; "
           f"gradient energy vs the start frame (view colour): {'; '.join(sharp)}")
     return 0
 
