@@ -288,10 +288,14 @@ def test_first_misses_name_the_step_field_and_kind_of_each_rollouts_first_wrong_
     alive[3, 5] = False  # ... past its episode's end: not a miss
     misses = evaluate.first_misses(reads, shown, ok, alive)
     assert misses[0] is None and misses[3] is None
-    assert misses[1] == {"step": 5, "field": "ammo", "shown": 45, "read": 46, "kind": "missed"}
+    assert misses[1] == {"step": 5, "field": "ammo", "shown": 45, "read": 46, "kind": "missed", "cause": "shot"}
     assert misses[2] == {"step": 3, "field": "health", "shown": 100, "read": -1, "kind": "unreadable"}
     alive[3, 5] = True
     assert evaluate.first_misses(reads, shown, ok, alive)[3]["kind"] == "spurious"
+    shown[0, 4:, :, 1] = 101  # rollout 0 walks over a health bonus its bar never draws: the world's change
+    ok = (reads[:, :, None] == shown).any(2)
+    assert evaluate.first_misses(reads, shown, ok, alive)[0] == {
+        "step": 5, "field": "health", "shown": 101, "read": 100, "kind": "missed", "cause": "world"}
 
 
 def test_motion_names_what_a_step_did_to_the_view():

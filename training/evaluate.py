@@ -121,8 +121,10 @@ def first_misses(reads: np.ndarray, values: np.ndarray, ok: np.ndarray, alive: n
     the model does at that step decides the rest): step (1-based), field, what the bar showed and what was
     read, and its kind: "unreadable" (no number: a smeared glyph), "missed" (a number the bar showed within
     `recent` steps before: a change not drawn, e.g. a pickup or a shot) or "spurious" (another number: a change
-    the game did not make). None: read right at every step. reads (R, T, 3) as StatusBarReader.read; values
-    (R, T, K, 3) candidates (statusbar.frame_values); ok (R, T, 3) per field; alive (R, T)."""
+    the game did not make). A missed change also names its cause: "shot" (the ammo count not stepped down: the
+    player's own action, which the bar's context holds) or "world" (a pickup or damage: only the view shows it
+    coming). None: read right at every step. reads (R, T, 3) as StatusBarReader.read; values (R, T, K, 3)
+    candidates (statusbar.frame_values); ok (R, T, 3) per field; alive (R, T)."""
     out: list[dict[str, Any] | None] = []
     for j in range(len(reads)):
         bad = np.flatnonzero(alive[j] & ~ok[j].all(-1))
@@ -134,7 +136,10 @@ def first_misses(reads: np.ndarray, values: np.ndarray, ok: np.ndarray, alive: n
         got, shown = int(reads[j, t, k]), int(values[j, t, -1, k])
         before = values[j, max(0, t - recent):t + 1, :, k]
         kind = "unreadable" if got == SB.UNREADABLE else "missed" if (before == got).any() else "spurious"
-        out.append({"step": t + 1, "field": SB.FIELDS[k], "shown": shown, "read": got, "kind": kind})
+        miss = {"step": t + 1, "field": SB.FIELDS[k], "shown": shown, "read": got, "kind": kind}
+        if kind == "missed":
+            miss["cause"] = "shot" if SB.FIELDS[k] == "ammo" and shown < got else "world"
+        out.append(miss)
     return out
 
 
@@ -376,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"still view, step {t}: PSNR / sharpness (autoencoder {report['still_ae_psnr']:.2f})",
                          f"{report['still_psnr'][t - 1]:.2f} / {report['still_sharpness'][t - 1]:.2f}"))
     if report["ar_statusbar_misses"] is not None:
-        kinds = [m["kind"] if m else "none" for m in report["ar_statusbar_misses"]]
-        rows.append(("rollouts by their status bar's first miss: " + " / ".join(MISS_KINDS + ("none",)),
-                     " / ".join(str(kinds.count(k)) for k in MISS_KINDS + ("none",))))
+        misses = report["ar_statusbar_misses"]
+        kinds = [m["kind"] if m else "none" for m in misses]
+        causes = [m.get("cause") for m in misses if m and m["kind"] == "missed"]
+        rows.append(("rollouts by their status bar's first miss: " + " / ".join(MISS_KINDS + ("none",))
+                     + " (missed: a shot / the world)",
+                     " / ".join(str(kinds.count(k)) for k in MISS_KINDS + ("none",))
+                     + f" ({causes.count('shot')} / {causes.count('world')})"))
     if report.get("n_events"):
         rows.append((f"status bar read right where its numbers change (n={report['n_events']}): model / copy-last",
                      f"{_fmt(report['event_statusbar_acc'])} / {_fmt(report['event_copy_last_statusbar_acc'])}"))
