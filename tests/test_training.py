@@ -298,6 +298,22 @@ def test_first_misses_name_the_step_field_and_kind_of_each_rollouts_first_wrong_
         "step": 5, "field": "health", "shown": 101, "read": 100, "kind": "missed", "cause": "world"}
 
 
+def test_miss_strip_shows_real_over_model_bars_around_each_first_miss():
+    R, T = 3, 6
+    real = np.zeros((R, T, 120, 160, 3), np.uint8)
+    gen = np.zeros_like(real)
+    real[:, :] = np.arange(T, dtype=np.uint8)[None, :, None, None, None]  # frame t painted t
+    gen[:, :] = 100 + np.arange(T, dtype=np.uint8)[None, :, None, None, None]
+    assert evaluate.miss_strip(real, gen, [None] * R) is None
+    strip = evaluate.miss_strip(real, gen, [None, {"step": 2}, None], around=(-3, 0, 1))
+    from neuraldoom.metrics import hud_top
+
+    bar = 120 - hud_top(120)
+    assert strip.shape == (2 * bar, 3 * 160, 3)
+    assert [strip[0, 160 * i, 0] for i in range(3)] == [0, 1, 2]  # steps clamped at the rollout's start
+    assert [strip[bar, 160 * i, 0] for i in range(3)] == [100, 101, 102]
+
+
 def test_motion_names_what_a_step_did_to_the_view():
     from neuraldoom import actions as A
 
