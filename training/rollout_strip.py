@@ -30,6 +30,7 @@ from neuraldoom import metrics as M
 from neuraldoom.checkpoint import Checkpoint, CheckpointError
 from neuraldoom.config import parse_args
 from neuraldoom.engine import NeuralEngine
+from neuraldoom.files import atomic_path
 from neuraldoom.lockstep import Lockstep
 
 POLICIES = {"sticky": {}, "straight": {"turns": False}, "idle": {"idle": 0.15}}
@@ -123,9 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.scale > 1:
         img = img.resize((img.width * a.scale, img.height * a.scale), Image.NEAREST)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp.png")
-    img.save(tmp)
-    tmp.replace(out)
+    with atomic_path(out) as tmp:
+        img.save(tmp)
     print(f"rollout_strip: steps {', '.join(str(t) for t in shown)} -> {out}"
           f"{' (top: neural, bottom: the real game)' if real else ''}; "
           f"gradient energy vs the start frame (view colour): {'; '.join(sharp)}")
