@@ -304,14 +304,16 @@ def test_miss_strip_shows_real_over_model_bars_around_each_first_miss():
     gen = np.zeros_like(real)
     real[:, :] = np.arange(T, dtype=np.uint8)[None, :, None, None, None]  # frame t painted t
     gen[:, :] = 100 + np.arange(T, dtype=np.uint8)[None, :, None, None, None]
-    assert evaluate.miss_strip(real, gen, [None] * R) is None
-    strip = evaluate.miss_strip(real, gen, [None, {"step": 2}, None], around=(-3, 0, 1))
+    alive = np.ones((R, T), bool)
+    alive[1, 4:] = False  # rollout 1 reaches its episode's end after 4 steps
+    assert evaluate.miss_strip(real, gen, alive, [None] * R) is None
+    strip = evaluate.miss_strip(real, gen, alive, [None, {"step": 2}, None], around=(-3, 0, 1, 8))
     from neuraldoom.metrics import hud_top
 
     bar = 120 - hud_top(120)
-    assert strip.shape == (2 * bar, 3 * 160, 3)
-    assert [strip[0, 160 * i, 0] for i in range(3)] == [0, 1, 2]  # steps clamped at the rollout's start
-    assert [strip[bar, 160 * i, 0] for i in range(3)] == [100, 101, 102]
+    assert strip.shape == (2 * bar, 4 * 160, 3)
+    assert [strip[0, 160 * i, 0] for i in range(4)] == [0, 1, 2, 3]  # clamped to the rollout's alive steps
+    assert [strip[bar, 160 * i, 0] for i in range(4)] == [100, 101, 102, 103]
 
 
 def test_motion_names_what_a_step_did_to_the_view():

@@ -3,7 +3,8 @@
     python -m training.evaluate --checkpoint checkpoints/e1m1 --data data/e1m1 --out runs/eval
 
 Prints a table and writes OUT/report.json, OUT/ar_psnr.png, OUT/grid.png, OUT/rollout.png and OUT/misses.png
-(the status bar around each rollout's first miss, real over model, the miss's step fourth):
+(the status bar around each rollout's first miss, real over model, the miss's step fourth, then 8 and 32
+steps on):
 - teacher-forced next-frame PSNR/SSIM (real context, DDIM steps of the checkpoint, CFG as shipped and 1.0);
 - the copy-last-frame baseline, the mean-frame baseline, the autoencoder ceiling (decode(encode(real)))
   with its sharpness (the reconstructions' gradient energy over the real frames');
@@ -542,22 +543,23 @@ def _plots(out: Path, rep: dict, prev, real, gen, ar_real, ar_gen, alive) -> Non
                                 np.concatenate([ar_gen[j, t] for t in idx], 1)], 0)
         with atomic_path(out / "rollout.png") as tmp:
             Image.fromarray(strip).save(tmp)  # top: real, bottom: model, steps 1..64
-    shown = miss_strip(ar_real, ar_gen, rep.get("ar_statusbar_misses") or [])
+    shown = miss_strip(ar_real, ar_gen, alive, rep.get("ar_statusbar_misses") or [])
     if shown is not None:
         with atomic_path(out / "misses.png") as tmp:
             Image.fromarray(shown).save(tmp)
 
 
-def miss_strip(ar_real: np.ndarray, ar_gen: np.ndarray, misses: list[dict[str, Any] | None],
-               around: tuple[int, ...] = (-3, -2, -1, 0, 1)) -> np.ndarray | None:
+def miss_strip(ar_real: np.ndarray, ar_gen: np.ndarray, alive: np.ndarray, misses: list[dict[str, Any] | None],
+               around: tuple[int, ...] = (-3, -2, -1, 0, 1, 8, 32)) -> np.ndarray | None:
     """The status bar around each rollout's first miss, a pair of rows per missing rollout: the real bar over
-    the model's, at the miss's step plus `around` (clamped to the rollout); None if no rollout missed."""
+    the model's, at the miss's step plus `around` (clamped to the rollout's alive steps: whether a miss lasts
+    shows in the last two); None if no rollout missed."""
     rows = []
     for j, m in enumerate(misses):
         if m is None:
             continue
-        t = m["step"] - 1
-        ts = [min(max(t + d, 0), ar_real.shape[1] - 1) for d in around]
+        t, last = m["step"] - 1, max(int(alive[j].sum()) - 1, 0)
+        ts = [min(max(t + d, 0), last) for d in around]
         rows.append(np.concatenate([np.concatenate([M.hud(x[j, u]) for u in ts], 1) for x in (ar_real, ar_gen)], 0))
     return np.concatenate(rows, 0) if rows else None
 
