@@ -617,7 +617,8 @@ def test_diffusion_resume_with_other_architecture_is_one_line(tiny_run, tiny_ae,
 
 
 @pytest.mark.parametrize("flags", [["--reference", "noisy"], ["--clean-share", "1.5"], ["--hud-weight", "0"],
-                                   ["--event-share", "1.5"], ["--event-after", "-1"], ["--view-weight", "-1"],
+                                   ["--event-share", "1.5"], ["--event-after", "-1"], ["--event-before", "-1"],
+                                   ["--view-weight", "-1"],
                                    ["--drift", "-1"], ["--drift-share", "2"],
                                    ["--timesteps", "some"], ["--warp-mode", "cubic", "--turn-warp"],
                                    ["--warp-mode", "nearest"], ["--warp-fill", "zeros", "--turn-warp"],
@@ -869,6 +870,15 @@ def test_the_status_bar_events_are_the_rows_whose_numbers_change(tiny_ae, tiny_d
         assert any(i - j in events and ep[i - j] == ep[i] for j in (1, 2))
     for i in events:  # every target that follows one within two steps
         assert all(i + j in after for j in (1, 2) if i + j in rows and ep[i + j] == ep[i])
+
+    data.event_targets = before.clone()
+    data.follow_events(0, 3)  # and the three that lead up to each, within its episode
+    lead = set(data.event_targets.tolist())
+    assert events < lead <= rows
+    for i in lead - events:
+        assert any(i + j in events and ep[i + j] == ep[i] for j in (1, 2, 3))
+    for i in events:
+        assert all(i - j in lead for j in (1, 2, 3) if i - j in rows and ep[i - j] == ep[i])
 
 
 def test_close_wall_tells_a_wall_seen_from_up_close_from_a_view_with_floor_or_colour(tiny_dataset):

@@ -49,14 +49,17 @@ class LatentSet:
     def __len__(self) -> int:
         return len(self.targets)
 
-    def follow_events(self, after: int) -> None:
-        """Make the `after` target rows that follow each event in its episode events too: a status-bar
-        denoiser draws a new number on the step it changes, then loses its shape one or two steps later, where
-        the context's frames disagree (the newest shows it, the older ones the number before)."""
+    def follow_events(self, after: int, before: int = 0) -> None:
+        """Make the `after` target rows that follow each event in its episode events too, and the `before`
+        rows that lead up to it: a status-bar denoiser draws a new number on the step it changes, then loses
+        its shape one or two steps later, where the context's frames disagree (the newest shows it, the older
+        ones the number before); and it counts a shot a step early, or where the trigger is held and the
+        pistol is not ready to fire again: the steps before a change are where it must learn to wait."""
         ev = self.event_targets
-        rows = (ev[:, None] + torch.arange(after + 1)).flatten()
-        src = ev.repeat_interleave(after + 1)
-        keep = rows < len(self.ep_start)
+        offsets = torch.arange(-before, after + 1)
+        rows = (ev[:, None] + offsets).flatten()
+        src = ev.repeat_interleave(len(offsets))
+        keep = (rows >= 0) & (rows < len(self.ep_start))
         rows, src = rows[keep], src[keep]
         keep = (self.ep_start[rows] == self.ep_start[src]) & torch.isin(rows, self.targets)
         self.event_targets = torch.unique(rows[keep])

@@ -97,6 +97,9 @@ class Args:
     # drifts red by 750-1,000 steps: the flashes were not the cause (docs/EXPERIMENTS.md)
     event_after: int = 0  # the targets that follow each event within this many steps are events too: the
     # status bar's denoiser drew a new number on its step, then smeared it one or two steps later
+    event_before: int = 0  # the targets that lead up to each event within this many steps are events too: where
+    # the trigger is held and the game has not fired yet (a shot shows 3 steps after the press and 7 after the
+    # last one while held), the bar counted shots a step early or that the game never made
     view_weight: float = 1.0  # loss weight of a status-bar denoiser's rows above its first (--rows): view it reads
     # as context and play does not paste; at 1 its wider rows' view outweighs the bar in the loss
     digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight ("ammo": 18 cells, not
@@ -414,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--wall-share must be within [0, 1], not {a.wall_share}")
         if a.view_weight < 0:
             raise CheckpointError(f"--view-weight must be 0 or more, not {a.view_weight}")
-        if a.event_after < 0:
-            raise CheckpointError(f"--event-after must be 0 or more, not {a.event_after}")
+        if a.event_after < 0 or a.event_before < 0:
+            raise CheckpointError(f"--event-after and --event-before must be 0 or more, not {a.event_after}, "
+                                  f"{a.event_before}")
         if not 0 <= a.event_share <= 1:
             raise CheckpointError(f"--event-share must be within [0, 1], not {a.event_share}")
         try:
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             events = a.event_fields if a.event_share > 0 else ()
             train = L.build(ae, data / "train", out / "latents" / "train", a.max_frames, events=events,
                             walls=a.wall_share < 1)
-            train.follow_events(a.event_after)
+            train.follow_events(a.event_after, a.event_before)
             held = L.build(ae, data / "heldout", out / "latents" / "heldout", max(a.max_frames // 10, 2000))
         ae.cpu()
     except (CheckpointError, RecordingError) as e:
@@ -576,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                  "schedule": a.schedule,
                  "hud_weight": a.hud_weight, "digit_weight": a.digit_weight, "digit_scope": a.digit_scope,
                  "event_share": a.event_share, "event_fields": list(a.event_fields),
-                 "event_after": a.event_after, "view_weight": a.view_weight,
+                 "event_after": a.event_after, "event_before": a.event_before,
+                 "view_weight": a.view_weight,
                  "digit_fields": list(a.digit_fields),
                  "drift": a.drift, "drift_share": a.drift_share, "widen": a.widen, "widen_spread": a.widen_spread,
                  "deepen": a.deepen,
