@@ -931,7 +931,7 @@ def test_experiment_trains_a_delta_variant_evaluates_and_appends_a_row(tiny_ae, 
     table = tmp_path / "EXPERIMENTS.md"
     argv = ["--name", "delta", "--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
             "--minutes", "0.05", "--out", str(tmp_path / "exp"), "--table", str(table), "--samples", "4",
-            "--rollouts", "1", "--rollout-steps", "8", "--", "--target", "delta", "--reads", "2",
+            "--rollouts", "1", "--rollout-steps", "8", "--still", "0", "--", "--target", "delta", "--reads", "2",
             "--reference", "clean", "--clean-share", "0.5", "--own-frames", "0.5", "--schedule", "cosine",
             "--hud-weight", "4", "--event-share", "0.5", "--timesteps", "plan", "--digit-weight", "30",
             "--digit-scope", "events", "--event-fields", "ammo", "--digit-fields", "ammo", *TINY_DM]

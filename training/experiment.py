@@ -39,6 +39,8 @@ class Args:
     guidance: float = 0.0  # CFG weight to evaluate with (0 = the checkpoint's)
     free_steps: int = 0  # free play of this many steps from the checkpoint's start (training.evaluate): the row
     # then carries its gradient energy range and largest colour cast, what 128-step rollouts cannot show
+    still: int = evaluate.Args.still  # still views (0: none): the row does not show them, and on a 2-core CPU
+    # their 64 steps each cost most of a small run's evaluation
     threads: int = 1
 
 
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = evaluate.main(["--checkpoint", str(run / "checkpoint"), "--data", a.data, "--out", str(ev),
                         "--samples", str(a.samples), "--rollouts", str(a.rollouts),
                         "--rollout-steps", str(a.rollout_steps), "--threads", str(a.threads),
-                        "--guidance", str(a.guidance), "--free-steps", str(a.free_steps)])
+                        "--guidance", str(a.guidance), "--free-steps", str(a.free_steps), "--still", str(a.still)])
     if rc:
         return rc
     report = json.loads((ev / "report.json").read_text())
