@@ -1120,7 +1120,7 @@ def test_diffusion_scales_out_to_two_processes(tiny_checkpoint, tiny_dataset, tm
     out = tmp_path / "ddp"
     env = {**os.environ, "PYTHONPATH": str(os.path.dirname(os.path.dirname(__file__))), "OMP_NUM_THREADS": "1"}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    r = subprocess.run([torchrun, "--nproc_per_node", "2", "-m", "training.train_diffusion", "--data",
+    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "training.train_diffusion", "--data",
                         str(tiny_dataset), "--init-from", str(tiny_checkpoint), "--out", str(out), "--steps",
                         "100000", "--minutes", "0.05", "--batch", "2", "--max-frames", "300", "--eval-every", "2",
                         "--no-compile"],
