@@ -20,6 +20,7 @@ import copy
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -215,7 +216,12 @@ def package_path(checkpoint: Path, dtype: torch.dtype = torch.float32, threads: 
     if (checkpoint / "flow").is_dir():  # the teacher's learned motion, which its students use too
         h.update((checkpoint / "flow" / "diffusion_pytorch_model.safetensors").read_bytes())
     h.update((checkpoint / "autoencoder" / "config.json").read_bytes())  # the latent's shape
-    h.update((checkpoint / "config.json").read_bytes())  # frames read, context length
+    # of config.json only what the pass computes with (frames read, context length, the bar's rows, the frame's
+    # size, the action set): new sampler settings, notes or another part's weights keep the package
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    part = cfg["bar"]["denoiser"] if bar else cfg["denoiser"]
+    h.update(json.dumps([cfg.get("format"), cfg["game"], part, cfg.get("buttons"), cfg.get("turn_buckets")],
+                        sort_keys=True).encode())
     threads = torch.get_num_threads() if threads is None else threads
     h.update(repr(("pass-v1", dtype_name(dtype), batch, torch.__version__, platform.machine(),
                    torch.backends.cpu.get_cpu_capability(), threads)).encode())

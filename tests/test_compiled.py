@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -267,6 +268,33 @@ def test_bench_never_reports_a_failed_compile_as_compiled(tiny_checkpoint, monke
     assert "compiled" not in rows and rows.count("eager*") == rows.count("eager") > 0
     assert len(calls) == 1 and err.count("compiling the sampler failed") == 1  # tried once, said once
     assert out.strip().splitlines()[-1].startswith("fps=")
+
+
+def test_the_package_key_follows_what_the_pass_computes_with(tiny_checkpoint, tmp_path):
+    """New sampler settings or notes keep a compiled package (no rebuild at the next play); another denoiser
+    config, the part's weights or the action set each get their own."""
+    import json
+
+    def edited(name: str, edit) -> Path:
+        d = tmp_path / name
+        shutil.copytree(tiny_checkpoint, d)
+        cfg = json.loads((d / "config.json").read_text())
+        edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    key = S.package_path(tiny_checkpoint, torch.float32, 1).name
+    same = [edited("sampler", lambda c: c["sampler"].update(deadband=0.7, cfg=1.5)),
+            edited("notes", lambda c: c["notes"].update(samples=123))]
+    other = [edited("reads", lambda c: c["denoiser"].update(reads=c["denoiser"]["reads"] - 1)),
+             edited("turns", lambda c: c.update(turn_buckets=c["turn_buckets"][:-1]))]
+    assert [S.package_path(d, torch.float32, 1).name for d in same] == [key, key]
+    assert all(S.package_path(d, torch.float32, 1).name != key for d in other)
+    weights = edited("weights", lambda c: None) / "unet" / "diffusion_pytorch_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1
+    weights.write_bytes(bytes(raw))
+    assert S.package_path(weights.parent.parent, torch.float32, 1).name != key
 
 
 @pytest.mark.slow
