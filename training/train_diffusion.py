@@ -99,7 +99,8 @@ class Args:
     # status bar's denoiser drew a new number on its step, then smeared it one or two steps later
     event_before: int = 0  # the targets that lead up to each event within this many steps are events too: where
     # the trigger is held and the game has not fired yet (a shot shows 3 steps after the press and 7 after the
-    # last one while held), the bar counted shots a step early or that the game never made
+    # last one while held), the bar counted shots a step early or that the game never made; at 3 it waited too
+    # well: real shots missed, 8.6 points under an equal-samples control (docs/EXPERIMENTS.md)
     view_weight: float = 1.0  # loss weight of a status-bar denoiser's rows above its first (--rows): view it reads
     # as context and play does not paste; at 1 its wider rows' view outweighs the bar in the loss
     digit_fields: tuple[str, ...] = SB.FIELDS  # the numbers whose cells take --digit-weight ("ammo": 18 cells, not
