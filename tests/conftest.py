@@ -11,12 +11,13 @@ import pytest
 os.environ["SDL_VIDEODRIVER"] = "dummy"  # before anything imports pygame
 os.environ["PYGAME_HIDE_SUPPORT_PROMPT"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# the workers share the cores: an idle OpenMP thread must sleep, not spin (before torch is imported)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+# the package's OpenMP setting (passive waiting: the workers share the cores) before a test module loads torch
+import neuraldoom  # noqa: E402, F401
 
 
 @pytest.fixture(autouse=True)
