@@ -194,6 +194,9 @@ def test_evaluate_reports_model_and_baselines(tiny_run, tiny_dataset, tmp_path, 
         assert 0 <= rep["ar_copy_last_statusbar_acc"] <= 1
     assert (out / "ar_psnr.png").stat().st_size > 0 and (out / "grid.png").stat().st_size > 0
     assert sum(v["n"] for v in rep["tf_by_motion"].values()) == 4
+    moved = 4 - rep["tf_by_motion"].get("still", {"n": 0})["n"]  # the turn's split holds the steps the view changed
+    assert sum(v["n"] for v in rep["tf_by_turn"].values()) == moved
+    assert all(0 <= v["sharpness"] < 10 for v in rep["tf_by_turn"].values())
     # the held-out play spends ammo: targets where the bar changes, which a bar held still never reads right
     assert 0 < rep["n_events"] <= 32 and rep["event_copy_last_statusbar_acc"] == 0.0
     assert 0 <= rep["event_statusbar_acc"] <= 1 and set(rep["event_statusbar_fields"]) == {"ammo", "health", "armor"}
@@ -328,6 +331,21 @@ def test_motion_names_what_a_step_did_to_the_view():
     assert evaluate.motion(A.Action.of("MOVE_FORWARD", turn=4.0).code, view, other) == "turn"
     assert evaluate.motion(A.Action.of("MOVE_FORWARD").code, view, other) == "move"
     assert evaluate.motion(A.Action.of("ATTACK").code, view, other) == "other"
+    assert evaluate.turn_speed(A.Action.of("MOVE_FORWARD", turn=-8.0).code, view, other) == 8.0
+    assert evaluate.turn_speed(A.Action.of("MOVE_FORWARD").code, view, other) == 0.0
+    assert evaluate.turn_speed(A.Action.of("MOVE_FORWARD", turn=4.0).code, view, bar_only) is None
+
+
+def test_by_motion_splits_gain_and_sharpness_by_kind_and_leaves_out_none():
+    rng = np.random.default_rng(0)
+    real = rng.integers(0, 255, (4, 120, 160, 3), dtype=np.uint8)
+    prev = np.roll(real, 3, axis=2)
+    gen = real.copy()
+    gen[1:] = 128  # the model drew all but the first target as flat grey
+    rows = evaluate.by_motion([8.0, 8.0, 0.0, None], gen, prev, real)
+    assert list(rows) == ["0.0", "8.0"] and [v["n"] for v in rows.values()] == [1, 2]
+    assert rows["0.0"]["sharpness"] == 0.0 and 0.4 < rows["8.0"]["sharpness"] < 0.6  # one of two drawn flat
+    assert rows["8.0"]["psnr"] > rows["8.0"]["copy_last_psnr"]  # one target exact
 
 
 def test_export_swaps_a_decoder_only_with_the_same_encoder(tiny_run, tiny_ae, tmp_path, capsys):
