@@ -346,6 +346,10 @@ def test_by_motion_splits_gain_and_sharpness_by_kind_and_leaves_out_none():
     assert list(rows) == ["0.0", "8.0"] and [v["n"] for v in rows.values()] == [1, 2]
     assert rows["0.0"]["sharpness"] == 0.0 and 0.4 < rows["8.0"]["sharpness"] < 0.6  # one of two drawn flat
     assert rows["8.0"]["psnr"] > rows["8.0"]["copy_last_psnr"]  # one target exact
+    gen[0, -10:] = 0  # the status bar's rows only: no change on the view rows
+    on_view = evaluate.by_motion([8.0], gen[:1], prev[:1], real[:1], view=True)["8.0"]
+    assert on_view["psnr"] > 100 and on_view["sharpness"] == 1.0  # exact on the view rows
+    assert evaluate.by_motion([8.0], gen[:1], prev[:1], real[:1])["8.0"]["psnr"] < 30
 
 
 def test_export_swaps_a_decoder_only_with_the_same_encoder(tiny_run, tiny_ae, tmp_path, capsys):
