@@ -214,7 +214,7 @@ def by_motion(kinds: list, gen: np.ndarray, prev: np.ndarray, real: np.ndarray,
 
 def turn_speed(action: np.ndarray, prev: np.ndarray, nxt: np.ndarray) -> float | None:
     """How fast one step turns the view, in degrees per tic (0: it does not turn); None where the view rows
-    did not change (a step that turns without the view turning: a wall or a pause)."""
+    did not change (the player stood still: no turn to split)."""
     top = M.hud_top(prev.shape[0])
     if np.array_equal(prev[:top], nxt[:top]):
         return None
