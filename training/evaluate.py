@@ -214,11 +214,8 @@ def by_motion(kinds: list, gen: np.ndarray, prev: np.ndarray, real: np.ndarray,
 
 def turn_speed(action: np.ndarray, prev: np.ndarray, nxt: np.ndarray) -> float | None:
     """How fast one step turns the view, in degrees per tic (0: it does not turn); None where the view rows
-    did not change (the player stood still: no turn to split)."""
-    top = M.hud_top(prev.shape[0])
-    if np.array_equal(prev[:top], nxt[:top]):
-        return None
-    return abs(A.Action.from_code(action).turn_degrees)
+    did not change (motion()'s "still": no turn to split)."""
+    return None if motion(action, prev, nxt) == "still" else abs(A.Action.from_code(action).turn_degrees)
 
 
 def _by_kind(rows: dict[str, dict]) -> str:
@@ -287,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         prev.append(frames[-1])
         real_vals.append(SB.frame_values(r, [i])[0])
     real, prev, gen, gen1, real_vals = map(np.stack, (real, prev, gen, gen1, real_vals))
-    kinds = [motion(targets[k][0].actions[targets[k][1] - 1], p, x) for k, p, x in zip(pick, prev, real, strict=True)]
-    speeds = [turn_speed(targets[k][0].actions[targets[k][1] - 1], p, x) for k, p, x in zip(pick, prev, real,
-                                                                                          strict=True)]
+    steps = list(zip([targets[k][0].actions[targets[k][1] - 1] for k in pick], prev, real, strict=True))
+    kinds = [motion(*step) for step in steps]
+    speeds = [turn_speed(*step) for step in steps]
     ae_ev = evaluate_autoencoder(ckpt.ae, real, real_vals)
     sb = ckpt.game.hud  # no status bar to read without the HUD
     sb_real = statusbar_ok(real, real_vals) if sb else None
