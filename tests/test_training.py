@@ -131,7 +131,23 @@ def test_diffusion_stage_writes_a_playable_checkpoint(tiny_run):
     assert ck.config["notes"]["steps"] == 4 and ck.denoiser_cfg.context == 4
     eng = NeuralEngine(ck, compile=False)
     assert eng.step(Action.of("MOVE_FORWARD")).shape == (120, 160, 3)
-    assert [json.loads(x)["step"] for x in (tiny_run / "log.jsonl").read_text().splitlines()] == [2, 4]
+    log = [json.loads(x) for x in (tiny_run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4]
+    # the shipped (EMA) weights' held-out loss is logged beside the training weights': they are not the same model
+    assert all(np.isfinite(r["held_loss_ema"]) and r["held_loss_ema"] != r["held_loss"] for r in log)
+
+
+def test_held_out_evaluation_leaves_the_training_untouched(tiny_ae, tiny_dataset, tmp_path):
+    from neuraldoom.checkpoint import load_state
+
+    states = []
+    for every in ("1", "1000"):  # the EMA weights swapped in and back at every step, or never
+        out = tmp_path / every
+        assert train_diffusion.main(["--data", str(tiny_dataset), "--autoencoder", str(tiny_ae / "autoencoder"),
+                                     "--out", str(out), "--steps", "3", "--eval-every", every, *TINY_DM]) == 0
+        states.append(load_state(out / "train_state.safetensors")[0])
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
 def test_diffusion_resumes_after_sigkill(tiny_ae, tiny_dataset, tmp_path):

@@ -560,11 +560,18 @@ def main(argv: list[str] | None = None) -> int:
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
 
     @torch.no_grad()
-    def held_loss() -> float:
+    def held_loss(use_ema: bool = False) -> float:
+        """The loss on 64 fixed held-out targets (fixed noise), of the training weights or of the EMA ones:
+        the EMA's is what a checkpoint ships; the training weights' alone misranks runs of different rates."""
         raw.eval()
+        if use_ema:
+            ema.store(raw.parameters())
+            ema.copy_to(raw.parameters())
         g = torch.Generator().manual_seed(1)
         loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context, raw.reads), dcfg, 0.0, g, acc.device,
                               a.reference, a.clean_share, levels=levels)  # the levels trained: "plan" is its own scale
+        if use_ema:
+            ema.restore(raw.parameters())
         raw.train()
         return float(loss)
 
@@ -604,12 +611,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer.optimizer_step(acc, model, opt, lr_sched, ema, loss)
         prog.tick(a.batch, loss)
         if prog.step % a.eval_every == 0 and acc.is_main_process:
-            prog.write(loss=loss.item(), held_loss=held_loss())
+            prog.write(loss=loss.item(), held_loss=held_loss(), held_loss_ema=held_loss(use_ema=True))
         if prog.save_or_stop(save, a.save_every):
             break
     prog.close()
     if acc.is_main_process:
-        print(f"train_diffusion: step {prog.step}, {prog.seen} samples, held-out loss {held_loss():.4f}; "
+        print(f"train_diffusion: step {prog.step}, {prog.seen} samples, held-out loss {held_loss():.4f} "
+              f"(EMA weights {held_loss(use_ema=True):.4f}); "
               f"checkpoint in {out / 'checkpoint'}")
     return 0
 
