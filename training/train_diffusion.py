@@ -558,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     if region:
         weight = bar_weights(weight, region, full_hw[1], a.view_weight)
     held_idx = held.targets[torch.randperm(len(held), generator=torch.Generator().manual_seed(0))[:64]]
+    held_batch = held.window(held_idx, dcfg.context, raw.reads)  # gathered once: every evaluation reads the same
 
     @torch.no_grad()
     def held_loss(use_ema: bool = False) -> float:
@@ -568,8 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             ema.store(raw.parameters())
             ema.copy_to(raw.parameters())
         g = torch.Generator().manual_seed(1)
-        loss = diffusion_loss(raw, sched, held.window(held_idx, dcfg.context, raw.reads), dcfg, 0.0, g, acc.device,
-                              a.reference, a.clean_share, levels=levels)  # the levels trained: "plan" is its own scale
+        loss = diffusion_loss(raw, sched, held_batch, dcfg, 0.0, g, acc.device, a.reference, a.clean_share,
+                              levels=levels)  # the levels trained: "plan" is its own scale
         if use_ema:
             ema.restore(raw.parameters())
         raw.train()
