@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -555,6 +556,33 @@ def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_
         assert torch.allclose(p, q, atol=1e-6)
 
 
+
+def test_export_play_like_ships_another_checkpoints_sampler_and_bar(tiny_checkpoint, tiny_dataset, tiny_run, tmp_path,
+                                                                     capsys):
+    """A denoiser trained from scratch on a shipped checkpoint's autoencoder plays the way that checkpoint does."""
+    bar = tmp_path / "bar"
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, bar, "--rows", "28", "29", "32")) == 0
+    shipped = tmp_path / "shipped"
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--bar", str(bar / "checkpoint"), "--guidance", "1.0",
+                        "--skip", "1", "--deadband", "0.3", "--bar-deadband", "0.5", "--out", str(shipped)]) == 0
+    fresh = tmp_path / "fresh"  # other weights of the same encoder (the tiny checkpoint's untrained ones, moved)
+    assert train_diffusion.main(continued(tiny_dataset, tiny_checkpoint, fresh)) == 0
+    out = tmp_path / "out"
+    assert export.main(["--checkpoint", str(fresh / "checkpoint"), "--play-like", str(shipped), "--skip", "2",
+                        "--out", str(out)]) == 0
+    ck, like = Checkpoint(out), Checkpoint(shipped)
+    assert ck.sampler_cfg == replace(like.sampler_cfg, skip=2)  # its settings, the flags still on top
+    assert (ck.sampler_cfg.cfg, ck.sampler_cfg.deadband, ck.sampler_cfg.bar_deadband) == (1.0, 0.3, 0.5)
+    assert ck.bar is not None and all(torch.equal(p, q) for p, q in zip(ck.bar.parameters(), like.bar.parameters(),
+                                                                         strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(ck.denoiser.parameters(),
+                                                 Checkpoint(fresh / "checkpoint").denoiser.parameters(), strict=True))
+    capsys.readouterr()  # another encoder's denoiser is refused: the bar and the bounds would not fit its latents
+    assert export.main(["--checkpoint", str(tiny_run / "checkpoint"), "--play-like", str(shipped), "--out",
+                        str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another encoder" in err[0] and not (tmp_path / "bad").exists()
+
 def test_the_benchs_default_row_is_what_play_runs_for_an_unguided_teacher(tiny_checkpoint, tmp_path, monkeypatch):
     from neuraldoom import bench
 
@@ -1034,6 +1062,34 @@ def test_pipeline_continues_a_checkpoint_and_compares_it_with_its_start(tiny_che
     assert "teacher-forced" in table and table in capsys.readouterr().out
     assert pipeline.main([*argv[:2], "--init-from", str(tmp_path / "nothing")]) == 2
 
+
+
+def test_pipeline_fresh_trains_a_new_denoiser_on_the_checkpoints_autoencoder(tiny_checkpoint, tmp_path, capsys):
+    """--fresh: the checkpoint's game and autoencoder, a denoiser started over (here with the turn warp, which
+    must be trained from its first step), shipped with the checkpoint's sampler settings."""
+    from training import pipeline
+
+    start = tmp_path / "start"  # a start with sampler settings of its own, to see them travel
+    assert export.main(["--checkpoint", str(tiny_checkpoint), "--guidance", "1.0", "--skip", "1", "--out",
+                        str(start)]) == 0
+    out = tmp_path / "gpu"
+    argv = ["--out", str(out), "--init-from", str(start), "--fresh", "--frames", "400", "--workers", "1",
+            "--dm-minutes", "0.03", "--batch", "4", "--rollouts", "1", "--rollout-steps", "4", "--max-frames", "300",
+            "--extra-dm", "--context 4 --block-out-channels 8 16 --attention-heads 2 --cross-attention-dim 16 "
+                          "--turn-warp --no-compile",
+            "--extra-eval", "--samples 8 --still 0 --events 4",
+            "--extra-collect", "--episode-tics 160 --heldout 0.3 --seed 3"]
+    assert pipeline.main(argv) == 0
+    was, ck = Checkpoint(start), Checkpoint(out / "checkpoint")
+    assert ck.game == was.game and ck.sampler_cfg == was.sampler_cfg
+    assert ck.denoiser_cfg.turn_warp and not was.denoiser_cfg.turn_warp  # a new denoiser, not the start's
+    for x, y in zip(ck.ae.state_dict().values(), was.ae.state_dict().values(), strict=True):
+        assert torch.equal(x, y)
+    assert "teacher-forced" in (out / "compare.txt").read_text()
+    capsys.readouterr()
+    assert pipeline.main(["--out", str(tmp_path / "bad"), "--fresh"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--init-from" in err[0]
 
 def test_a_split_without_frames_is_one_line_not_a_traceback(tiny_checkpoint, tmp_path, capsys):
     """A short collection can leave the held-out split empty (it gets whole episodes): one line, exit 2."""

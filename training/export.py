@@ -7,12 +7,15 @@
     python -m training.export --checkpoint runs/wide/checkpoint --half --out runs/cand   # float16 on disk
     python -m training.export --checkpoint runs/dm/checkpoint --bounds-from runs/dm/latents/train --out runs/cand
     python -m training.export --checkpoint checkpoints/e1m1 --bar runs/bar/checkpoint --out runs/cand  # + its bar
+    python -m training.export --checkpoint runs/fresh/checkpoint --play-like checkpoints/e1m1 --out runs/cand
 
 The denoiser was trained on the latents of one encoder, so the new autoencoder must carry exactly that
 encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused. The
 checkpoint's distilled students come along; --students adds those of other checkpoints (training.distill's
 outputs), each of which must have been distilled from this very denoiser. So does its status-bar denoiser;
---bar puts in another (train_diffusion --rows), trained on the latents of the same encoder.
+--bar puts in another (train_diffusion --rows), trained on the latents of the same encoder. --play-like gives a
+denoiser trained from scratch on a shipped checkpoint's autoencoder that checkpoint's way of playing: its sampler
+settings and its status-bar denoiser (the flags above still override them).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Args:
     bounds_quantile: float = 0.001  # the share of training frames left outside the range at each end
     bar: str = ""  # a checkpoint whose denoiser is a status-bar one (train_diffusion --rows): carried, its rows pasted
     # over every frame in play ("" = keep the checkpoint's, if any)
+    play_like: str = ""  # a checkpoint of the same encoder whose sampler settings and status-bar denoiser to ship
+    # ("" = keep this checkpoint's)
     half: bool = False  # the teacher's weights in float16 on disk (half the bytes: what keeps a wider denoiser
     # under MAX_MB). It rounds the teacher, so students are distilled from the rounded one: export --half first
 
@@ -95,7 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--half rounds {a.checkpoint}'s denoiser, and its students {sorted(students)} "
                                   f"were distilled from the float32 weights: export --half first, distil from that")
         bounds = L.frame_bounds(*L.frame_stats(Path(a.bounds_from), ck.ae), a.bounds_quantile) if a.bounds_from else {}
-        bar = ck.bar_parts()
+        sampler_cfg, bar = ck.sampler_cfg, ck.bar_parts()
+        if a.play_like:
+            like = Checkpoint(a.play_like)
+            if not same_encoder(ck.ae, like.ae):
+                raise CheckpointError(f"{a.play_like} has another encoder than {a.checkpoint}: its sampler's frame "
+                                      "bounds and status-bar denoiser would not fit")
+            sampler_cfg, bar = like.sampler_cfg, like.bar_parts()
+            if bar and bar[1].context != ck.denoiser_cfg.context:
+                raise CheckpointError(f"{a.play_like}'s status-bar denoiser reads {bar[1].context} context frames, "
+                                      f"{a.checkpoint}'s {ck.denoiser_cfg.context}")
         if a.bar:
             other = Checkpoint(a.bar)
             if not other.denoiser_cfg.rows:
@@ -105,15 +119,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(f"{a.bar} was trained on another encoder's latents or context than "
                                       f"{a.checkpoint}'s")
             bar = (other.denoiser, other.denoiser_cfg, dict(other.config.get("notes", {}), checkpoint=a.bar))
-        if a.skip >= ck.sampler_cfg.steps:
-            raise CheckpointError(f"--skip {a.skip} leaves none of the teacher's {ck.sampler_cfg.steps} DDIM steps")
+        if a.skip >= sampler_cfg.steps:
+            raise CheckpointError(f"--skip {a.skip} leaves none of the teacher's {sampler_cfg.steps} DDIM steps")
     except CheckpointError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2
     notes = dict(ck.config.get("notes", {}))
     if a.autoencoder:
         notes["decoder"] = str(a.autoencoder)
-    sampler_cfg = replace(ck.sampler_cfg, cfg=a.guidance) if a.guidance else ck.sampler_cfg
+    if a.guidance:
+        sampler_cfg = replace(sampler_cfg, cfg=a.guidance)
     if a.deadband >= 0:
         sampler_cfg = replace(sampler_cfg, deadband=a.deadband)
     if a.bar_deadband >= 0:

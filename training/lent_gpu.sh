@@ -9,7 +9,9 @@
 # LIMIT (seconds, default 530) bounds the pipeline, so the packing always runs: stopped early, the newest
 # denoiser checkpoint is packed instead (it saves every minute). FRAMES, WORKERS, DM (minutes), BATCH, LR, SM
 # (the student's minutes), FREE (free-play steps evaluated: where CPU continuations of the shipped checkpoint
-# drifted red, docs/EXPERIMENTS.md) and EXTRA (more pipeline flags) override the defaults below.
+# drifted red, docs/EXPERIMENTS.md) and EXTRA (more pipeline flags) override the defaults below. FRESH=1 trains a
+# new denoiser with the turn warp from its first step on the checkpoint's autoencoder instead (pipeline --fresh):
+# the warp won from scratch at an equal budget and lost when continued (docs/EXPERIMENTS.md).
 set -o pipefail
 : "${OUT:?set OUT to the folder the results go to}"
 PY=${PY:-python3}
@@ -23,7 +25,7 @@ run=/tmp/lent
 timeout "${LIMIT:-530}" $PY -m training.pipeline --out $run --init-from checkpoints/e1m1 --frames "${FRAMES:-150000}" \
     --workers "${WORKERS:-12}" --max-frames "${FRAMES:-150000}" --dm-minutes "${DM:-4}" --batch "${BATCH:-64}" \
     --lr "${LR:-4.2e-4}" --student-minutes "${SM:-1}" --free-steps "${FREE:-1000}" \
-    --extra-dm "--drift 0.6 --save-every 60" ${EXTRA:-} \
+    --extra-dm "--drift 0.6 --save-every 60${FRESH:+ --turn-warp --warp-fill last}" ${FRESH:+--fresh} ${EXTRA:-} \
     > "$OUT/pipeline.log" 2>&1
 rc=$?
 grep -a -E '^pipeline|train_diffusion:|distill:|Error' "$OUT/pipeline.log" | cut -c1-300

@@ -5,13 +5,18 @@ fine-tune -> denoiser -> export -> 1-step student -> evaluate), writing the chec
         --dm-minutes 5 --batch 256 --workers 12
     python -m training.pipeline --out runs/gpu --init-from checkpoints/e1m1 --frames 300000 --workers 12 \\
         --dm-minutes 5 --batch 64 --lr 4.2e-4 --student-minutes 1 --extra-dm "--drift 0.6"
+    python -m training.pipeline --out runs/gpu --init-from checkpoints/e1m1 --fresh --frames 300000 --workers 12 \\
+        --dm-minutes 8 --batch 64 --lr 4.2e-4 --extra-dm "--drift 0.6 --turn-warp --warp-fill last"
 
 --init-from continues a trained checkpoint instead of starting over (what the CPU runs found the shipped
 denoiser short of is samples: docs/EXPERIMENTS.md): its game is collected, its autoencoder is kept (no
 autoencoder stages), its denoiser trained on, and the checkpoint it started from is evaluated on the same
 held-out play beside the result, with `training.compare`'s paired differences printed and kept in
-OUT/compare.txt. Collect's seed 0 replays the episodes of an earlier seed-0 collection worker by worker,
-each in its own split, so a held-out episode here was never trained on by a checkpoint made from those.
+OUT/compare.txt. With --fresh the denoiser starts over instead, on the checkpoint's autoencoder (train_diffusion's
+own architecture and flags: a recipe that must be trained from its first step, such as the turn warp), and ships
+with the checkpoint's sampler settings and status-bar denoiser (export --play-like). Collect's seed 0 replays the
+episodes of an earlier seed-0 collection worker by worker, each in its own split, so a held-out episode here was
+never trained on by a checkpoint made from those.
 
 Each stage is the ordinary stage module called with the flags below, so it resumes like them: rerun the
 same command after an interruption and finished stages are skipped (collect tops up, trainers see their
@@ -55,6 +60,7 @@ class Args:
     free_steps: int = 0  # the evaluation's free play (training.evaluate --free-steps); 0 = none
     threads: int = 1
     init_from: str = ""  # continue this checkpoint (module doc): no autoencoder stages, its architecture
+    fresh: bool = False  # with --init-from: a new denoiser on its autoencoder instead of its denoiser continued
     student_minutes: float = 0.0  # distil the new teacher's 1-step student (play's --steps 1) this long; 0 = none
     extra_collect: str = ""  # more training.collect flags, space-separated
     extra_ae: str = ""  # more train_autoencoder flags, space-separated
@@ -77,9 +83,12 @@ def stages(a: Args) -> list[Stage]:
         g = Checkpoint(a.init_from).game
         game = ["--wad", g.wad, "--map", g.map, "--width", str(g.width), "--height", str(g.height),
                 "--frame-skip", str(g.frame_skip), *(["--scenario", g.scenario] if g.scenario else [])]
-        made = [("denoiser", train_diffusion.main, ["--data", str(data), "--init-from", a.init_from, "--out", str(dm),
-                                                    *budget]),
-                ("export", export.main, ["--checkpoint", str(dm / "checkpoint"), "--out", str(ck)])]
+        start = ["--autoencoder", str(Path(a.init_from) / "autoencoder")] if a.fresh else ["--init-from", a.init_from]
+        like = ["--play-like", a.init_from] if a.fresh else []
+        made = [("denoiser", train_diffusion.main, ["--data", str(data), *start, "--out", str(dm), *budget]),
+                ("export", export.main, ["--checkpoint", str(dm / "checkpoint"), *like, "--out", str(ck)])]
+    elif a.fresh:
+        raise CheckpointError("--fresh starts a new denoiser on a checkpoint's autoencoder: give --init-from too")
     else:
         game = []
         made = [
