@@ -11,7 +11,8 @@
 # (the student's minutes), FREE (free-play steps evaluated: where CPU continuations of the shipped checkpoint
 # drifted red, docs/EXPERIMENTS.md) and EXTRA (more pipeline flags) override the defaults below. FRESH=1 trains a
 # new denoiser with the turn warp from its first step on the checkpoint's autoencoder instead (pipeline --fresh):
-# the warp won from scratch at an equal budget and lost when continued (docs/EXPERIMENTS.md).
+# from scratch the warp led an equal-budget control by a tenth to a fifth of a dB, thinning with samples, and
+# lost when continued (docs/EXPERIMENTS.md); the default stays the continuation.
 set -o pipefail
 : "${OUT:?set OUT to the folder the results go to}"
 PY=${PY:-python3}
