@@ -556,7 +556,6 @@ def test_a_status_bar_denoiser_is_trained_on_its_rows_and_pasted_over_play(tiny_
         assert torch.allclose(p, q, atol=1e-6)
 
 
-
 def test_export_play_like_ships_another_checkpoints_sampler_and_bar(tiny_checkpoint, tiny_dataset, tiny_run, tmp_path,
                                                                      capsys):
     """A denoiser trained from scratch on a shipped checkpoint's autoencoder plays the way that checkpoint does."""
@@ -582,6 +581,7 @@ def test_export_play_like_ships_another_checkpoints_sampler_and_bar(tiny_checkpo
                         str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another encoder" in err[0] and not (tmp_path / "bad").exists()
+
 
 def test_the_benchs_default_row_is_what_play_runs_for_an_unguided_teacher(tiny_checkpoint, tmp_path, monkeypatch):
     from neuraldoom import bench
@@ -1063,7 +1063,6 @@ def test_pipeline_continues_a_checkpoint_and_compares_it_with_its_start(tiny_che
     assert pipeline.main([*argv[:2], "--init-from", str(tmp_path / "nothing")]) == 2
 
 
-
 def test_pipeline_fresh_trains_a_new_denoiser_on_the_checkpoints_autoencoder(tiny_checkpoint, tmp_path, capsys):
     """--fresh: the checkpoint's game and autoencoder, a denoiser started over (here with the turn warp, which
     must be trained from its first step), shipped with the checkpoint's sampler settings."""
@@ -1090,6 +1089,7 @@ def test_pipeline_fresh_trains_a_new_denoiser_on_the_checkpoints_autoencoder(tin
     assert pipeline.main(["--out", str(tmp_path / "bad"), "--fresh"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--init-from" in err[0]
+
 
 def test_a_split_without_frames_is_one_line_not_a_traceback(tiny_checkpoint, tmp_path, capsys):
     """A short collection can leave the held-out split empty (it gets whole episodes): one line, exit 2."""

@@ -107,18 +107,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(f"{a.play_like} has another encoder than {a.checkpoint}: its sampler's frame "
                                       "bounds and status-bar denoiser would not fit")
             sampler_cfg, bar = like.sampler_cfg, like.bar_parts()
-            if bar and bar[1].context != ck.denoiser_cfg.context:
-                raise CheckpointError(f"{a.play_like}'s status-bar denoiser reads {bar[1].context} context frames, "
-                                      f"{a.checkpoint}'s {ck.denoiser_cfg.context}")
         if a.bar:
             other = Checkpoint(a.bar)
             if not other.denoiser_cfg.rows:
                 raise CheckpointError(f"{a.bar}: its denoiser draws whole frames, not a status bar's rows "
                                       "(train_diffusion --rows)")
-            if not same_encoder(ck.ae, other.ae) or other.denoiser_cfg.context != ck.denoiser_cfg.context:
-                raise CheckpointError(f"{a.bar} was trained on another encoder's latents or context than "
-                                      f"{a.checkpoint}'s")
+            if not same_encoder(ck.ae, other.ae):
+                raise CheckpointError(f"{a.bar} was trained on another encoder's latents than {a.checkpoint}'s")
             bar = (other.denoiser, other.denoiser_cfg, dict(other.config.get("notes", {}), checkpoint=a.bar))
+        if bar and bar[1].context != ck.denoiser_cfg.context:  # a bar brought by --bar or --play-like
+            raise CheckpointError(f"the status-bar denoiser of {a.bar or a.play_like} reads {bar[1].context} context "
+                                  f"frames, {a.checkpoint}'s denoiser {ck.denoiser_cfg.context}")
         if a.skip >= sampler_cfg.steps:
             raise CheckpointError(f"--skip {a.skip} leaves none of the teacher's {sampler_cfg.steps} DDIM steps")
     except CheckpointError as e:
