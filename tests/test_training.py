@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -581,6 +582,16 @@ def test_export_play_like_ships_another_checkpoints_sampler_and_bar(tiny_checkpo
                         str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another encoder" in err[0] and not (tmp_path / "bad").exists()
+    for flag, src in (("--play-like", shipped), ("--bar", bar / "checkpoint")):
+        rescaled = tmp_path / f"rescaled{flag}"  # the same encoder's weights under another latent scale
+        shutil.copytree(src, rescaled)
+        cfg = json.loads((rescaled / "autoencoder" / "config.json").read_text())
+        cfg["scaling_factor"] *= 2
+        (rescaled / "autoencoder" / "config.json").write_text(json.dumps(cfg))
+        assert export.main(["--checkpoint", str(fresh / "checkpoint"), flag, str(rescaled), "--out",
+                            str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "normalization" in err[0] and not (tmp_path / "bad").exists()
 
 
 def test_the_benchs_default_row_is_what_play_runs_for_an_unguided_teacher(tiny_checkpoint, tmp_path, monkeypatch):

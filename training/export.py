@@ -13,7 +13,7 @@ The denoiser was trained on the latents of one encoder, so the new autoencoder m
 encoder and latent normalization (a --decoder-only fine-tune does); anything else is refused. The
 checkpoint's distilled students come along; --students adds those of other checkpoints (training.distill's
 outputs), each of which must have been distilled from this very denoiser. So does its status-bar denoiser;
---bar puts in another (train_diffusion --rows), trained on the latents of the same encoder. --play-like gives a
+--bar puts in another (train_diffusion --rows), trained on the same encoder's latents. --play-like gives a
 denoiser trained from scratch on a shipped checkpoint's autoencoder that checkpoint's way of playing: its sampler
 settings and its status-bar denoiser (the flags above still override them).
 """
@@ -56,11 +56,12 @@ class Args:
     # under MAX_MB). It rounds the teacher, so students are distilled from the rounded one: export --half first
 
 
-def same_encoder(a: AutoencoderTiny, b: AutoencoderTiny) -> bool:
-    """Whether two autoencoders encode alike (bit for bit the same encoder weights): a denoiser trained on one's
-    latents fits the other's."""
-    return all(torch.equal(x, y) for x, y in zip(a.encoder.state_dict().values(), b.encoder.state_dict().values(),
-                                                 strict=True))
+def same_latents(a: AutoencoderTiny, b: AutoencoderTiny) -> bool:
+    """Whether two autoencoders give the same latents (bit for bit the same encoder weights, the same shift and
+    scale): a denoiser trained on one's latents fits the other's."""
+    norm = [(ae.config.shift_factor, ae.config.scaling_factor) for ae in (a, b)]
+    return norm[0] == norm[1] and all(torch.equal(x, y) for x, y in zip(a.encoder.state_dict().values(),
+                                                                        b.encoder.state_dict().values(), strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         ae = ck.ae
         if a.autoencoder:
             new = load_model_dir(AutoencoderTiny, a.autoencoder)
-            same = same_encoder(ck.ae, new)
-            norm = (ck.ae.config.shift_factor, ck.ae.config.scaling_factor) == (new.config.shift_factor,
-                                                                                 new.config.scaling_factor)
-            if not (same and norm):
+            if not same_latents(ck.ae, new):
                 raise CheckpointError(f"{a.autoencoder} has another encoder or latent normalization than "
                                       f"{a.checkpoint}: the denoiser's latents would not match")
             ae = new
@@ -103,17 +101,19 @@ def main(argv: list[str] | None = None) -> int:
         sampler_cfg, bar = ck.sampler_cfg, ck.bar_parts()
         if a.play_like:
             like = Checkpoint(a.play_like)
-            if not same_encoder(ck.ae, like.ae):
-                raise CheckpointError(f"{a.play_like} has another encoder than {a.checkpoint}: its sampler's frame "
-                                      "bounds and status-bar denoiser would not fit")
+            if not same_latents(ck.ae, like.ae):
+                raise CheckpointError(f"{a.play_like} has another encoder or latent normalization than "
+                                      f"{a.checkpoint}: its sampler's frame bounds and status-bar denoiser would "
+                                      "not fit")
             sampler_cfg, bar = like.sampler_cfg, like.bar_parts()
         if a.bar:
             other = Checkpoint(a.bar)
             if not other.denoiser_cfg.rows:
                 raise CheckpointError(f"{a.bar}: its denoiser draws whole frames, not a status bar's rows "
                                       "(train_diffusion --rows)")
-            if not same_encoder(ck.ae, other.ae):
-                raise CheckpointError(f"{a.bar} was trained on another encoder's latents than {a.checkpoint}'s")
+            if not same_latents(ck.ae, other.ae):
+                raise CheckpointError(f"{a.bar} was trained on another encoder's latents (or another latent "
+                                      f"normalization) than {a.checkpoint}'s")
             bar = (other.denoiser, other.denoiser_cfg, dict(other.config.get("notes", {}), checkpoint=a.bar))
         if bar and bar[1].context != ck.denoiser_cfg.context:  # a bar brought by --bar or --play-like
             raise CheckpointError(f"the status-bar denoiser of {a.bar or a.play_like} reads {bar[1].context} context "
