@@ -11,8 +11,10 @@
 # (the student's minutes), FREE (free-play steps evaluated: where CPU continuations of the shipped checkpoint
 # drifted red, docs/EXPERIMENTS.md) and EXTRA (more pipeline flags) override the defaults below. FRESH=1 trains a
 # new denoiser with the turn warp from its first step on the checkpoint's autoencoder instead (pipeline --fresh):
-# from scratch the warp led an equal-budget control by a tenth to a fifth of a dB, thinning with samples, and
-# lost when continued (docs/EXPERIMENTS.md); the default stays the continuation.
+# from scratch the warp led an equal-budget control by a tenth to a fifth of a dB and lost when continued; a
+# CPU run of it was level with the shipped checkpoint teacher-forced, still behind on rollouts, at 408k of the
+# shipped ~476k samples (docs/EXPERIMENTS.md). The default stays the continuation: a fresh run must pass those
+# samples within DM minutes before it can win.
 set -o pipefail
 : "${OUT:?set OUT to the folder the results go to}"
 PY=${PY:-python3}
