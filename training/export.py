@@ -56,14 +56,6 @@ class Args:
     # under MAX_MB). It rounds the teacher, so students are distilled from the rounded one: export --half first
 
 
-def same_latents(a: AutoencoderTiny, b: AutoencoderTiny) -> bool:
-    """Whether two autoencoders give the same latents (bit for bit the same encoder weights, the same shift and
-    scale): a denoiser trained on one's latents fits the other's."""
-    norm = [(ae.config.shift_factor, ae.config.scaling_factor) for ae in (a, b)]
-    return norm[0] == norm[1] and all(torch.equal(x, y) for x, y in zip(a.encoder.state_dict().values(),
-                                                                        b.encoder.state_dict().values(), strict=True))
-
-
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(Args, argv, __doc__)
     if a.guidance < 0:
@@ -75,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ck = Checkpoint(a.checkpoint)
         ae = ck.ae
+        latents = L.encoder_digest(ae)  # what a denoiser trained on this encoder's latents depends on
         if a.autoencoder:
             new = load_model_dir(AutoencoderTiny, a.autoencoder)
-            if not same_latents(ck.ae, new):
+            if L.encoder_digest(new) != latents:
                 raise CheckpointError(f"{a.autoencoder} has another encoder or latent normalization than "
                                       f"{a.checkpoint}: the denoiser's latents would not match")
             ae = new
@@ -101,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler_cfg, bar = ck.sampler_cfg, ck.bar_parts()
         if a.play_like:
             like = Checkpoint(a.play_like)
-            if not same_latents(ck.ae, like.ae):
+            if L.encoder_digest(like.ae) != latents:
                 raise CheckpointError(f"{a.play_like} has another encoder or latent normalization than "
                                       f"{a.checkpoint}: its sampler's frame bounds and status-bar denoiser would "
                                       "not fit")
@@ -111,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             if not other.denoiser_cfg.rows:
                 raise CheckpointError(f"{a.bar}: its denoiser draws whole frames, not a status bar's rows "
                                       "(train_diffusion --rows)")
-            if not same_latents(ck.ae, other.ae):
+            if L.encoder_digest(other.ae) != latents:
                 raise CheckpointError(f"{a.bar} was trained on another encoder's latents (or another latent "
                                       f"normalization) than {a.checkpoint}'s")
             bar = (other.denoiser, other.denoiser_cfg, dict(other.config.get("notes", {}), checkpoint=a.bar))
